@@ -1,0 +1,10 @@
+"""The tuning database: models, one-file storage, and the layered lookup dispatch uses."""
+
+from .layers import Choice, Resolver, TuningDatabaseWarning, default_user_db, shipped_dbs
+from .models import SCHEMA_VERSION, Record
+from .storage import DatabaseError, TuningDB, canonical, record_dict
+
+__all__ = [
+    "SCHEMA_VERSION", "Choice", "DatabaseError", "Record", "Resolver", "TuningDB",
+    "TuningDatabaseWarning", "canonical", "default_user_db", "record_dict", "shipped_dbs",
+]

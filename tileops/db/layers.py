@@ -1,0 +1,193 @@
+"""The layered lookup that picks a configuration for a call.
+
+Order, in the spirit of MIOpen's system + user perf-db:
+
+1. `TILEOPS_CONFIG`: a JSON configuration forced on every problem (for debugging); either a config
+   object or `{"<op>": {...}}` per operator.
+2. the user database (`TILEOPS_USER_DB`, default `~/.cache/tileops/tuning.sqlite`);
+3. the databases shipped in `tuning_db/` (opened read-only), in name order;
+4. the operator's heuristic default.
+
+Within the databases an exact problem match in any layer wins over the nearest tuned problem of
+the same operator and target (kind, arch, device). A database that is missing, locked, corrupt or
+of a newer schema is skipped with one warning, never an exception. Records made with another
+TileLang version or another kernel source are stale: skipped, with one warning per database and
+operator (`tileops db verify` lists them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..resources import data_dir
+from ..spec import Config, OpSpec
+from ..target import Target
+from .models import Record
+from .storage import DatabaseError, TuningDB
+
+
+class TuningDatabaseWarning(UserWarning):
+    """A tuning database or record was skipped; dispatch fell through to the next layer."""
+
+
+def default_user_db() -> Path:
+    """The user database: `TILEOPS_USER_DB`, else under the user's cache directory."""
+    env = os.environ.get("TILEOPS_USER_DB")
+    if env:
+        return Path(env).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "tileops" / "tuning.sqlite"
+
+
+def shipped_dbs() -> list[Path]:
+    try:
+        return sorted(data_dir("tuning_db").glob("*.sqlite"))
+    except FileNotFoundError:
+        return []
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What dispatch runs for a problem, and why."""
+
+    config: Config  # tile configuration (the tuned or default one)
+    source: str  # "override", "user", "shipped:<file>", "default"
+    exact: bool  # record for this very problem (False: nearest problem or default)
+    use_baseline: bool = False  # a record says the baseline beats every tile kernel
+    record: Record | None = None
+
+
+@dataclass
+class _Layer:
+    label: str
+    path: Path
+    db: TuningDB | None = None
+    failed: bool = False
+
+
+def stale_reason(spec: OpSpec, record: Record) -> str | None:
+    """Why a record must not be trusted by this installation (None: it can be)."""
+    import tilelang
+
+    if record.tilelang_version != tilelang.__version__:
+        return f"made with TileLang {record.tilelang_version}, this is {tilelang.__version__}"
+    if record.kernel_hash != spec.kernel_hash():
+        return "made for another version of the kernel source"
+    return None
+
+
+class Resolver:
+    """Resolves (operator, target, problem) to a `Choice` through the layers above."""
+
+    def __init__(self, user_db: Path | None = None, shipped: list[Path] | None = None):
+        self._user_db = user_db
+        self._shipped = shipped
+        self._layers: list[_Layer] | None = None
+        self._tables: dict[tuple[str, str, tuple], dict[tuple, Record]] = {}
+
+    def layers(self) -> list[_Layer]:
+        if self._layers is None:
+            user = self._user_db if self._user_db is not None else default_user_db()
+            shipped = self._shipped if self._shipped is not None else shipped_dbs()
+            self._layers = [_Layer("user", user)] + [
+                _Layer(f"shipped:{p.name}", p) for p in shipped]
+        return self._layers
+
+    def resolve(self, spec: OpSpec, target: Target, problem: tuple) -> Choice:
+        forced = _override(spec)
+        if forced is not None:
+            return Choice(forced, "override", exact=True)
+        tables = [(layer, self._table(layer, spec, target)) for layer in self.layers()]
+        for layer, table in tables:
+            record = table.get(problem)
+            if record is not None:
+                return _choice(record, layer.label, exact=True)
+        best: tuple[float, str, Record] | None = None
+        for layer, table in tables:
+            for other, record in table.items():
+                d = spec.distance(problem, other)
+                if d is not None and (best is None or d < best[0]):
+                    best = (d, layer.label, record)
+        if best is not None:
+            config = json.loads(best[2].config)
+            if spec.check_config(problem, config, target) is None:
+                return Choice(config, best[1], exact=False, record=best[2])
+        return Choice(spec.default_config(problem, target), "default", exact=False)
+
+    def _table(self, layer: _Layer, spec: OpSpec, target: Target) -> dict[tuple, Record]:
+        """The trusted records of one layer for an operator and target, keyed by problem."""
+        key = (layer.label, spec.name, target.key)
+        table = self._tables.get(key)
+        if table is not None:
+            return table
+        table = {}
+        db = self._open(layer)
+        if db is not None:
+            try:
+                records = db.records(spec.name, target.key)
+            except DatabaseError as e:
+                _warn(f"{e}; falling back to the next layer")
+                layer.failed, records = True, []
+            stale = []
+            for record in records:
+                reason = stale_reason(spec, record)
+                if reason:
+                    stale.append(reason)
+                    continue
+                try:
+                    problem = spec.problem_from_dict(json.loads(record.problem))
+                except (KeyError, TypeError, ValueError):
+                    stale.append("unreadable problem key")
+                    continue
+                table[problem] = record
+            if stale:
+                _warn(f"{layer.path}: ignoring {len(stale)} stale {spec.name} record(s) for "
+                      f"{target.describe()} ({stale[0]}); re-tune or run `tileops db verify`")
+        self._tables[key] = table
+        return table
+
+    def _open(self, layer: _Layer) -> TuningDB | None:
+        if layer.db is not None or layer.failed:
+            return layer.db
+        if layer.label == "user" and not layer.path.exists():
+            return None  # no user database yet: nothing to warn about
+        try:
+            layer.db = TuningDB(layer.path, readonly=True, timeout=0.5)
+        except DatabaseError as e:
+            _warn(f"{e}; falling back to the next layer")
+            layer.failed = True
+        return layer.db
+
+    def close(self) -> None:
+        for layer in self._layers or []:
+            if layer.db is not None:
+                layer.db.close()
+        self._layers, self._tables = None, {}
+
+
+def _choice(record: Record, label: str, exact: bool) -> Choice:
+    return Choice(json.loads(record.config), label, exact, record.chosen == "baseline", record)
+
+
+def _override(spec: OpSpec) -> Config | None:
+    text = os.environ.get("TILEOPS_CONFIG")
+    if not text:
+        return None
+    try:
+        value: Any = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"TILEOPS_CONFIG is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError("TILEOPS_CONFIG must be a JSON object (a config, or {op: config})")
+    if spec.name in value and isinstance(value[spec.name], dict):
+        return dict(value[spec.name])
+    return dict(value) if not any(isinstance(v, dict) for v in value.values()) else None
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, TuningDatabaseWarning, stacklevel=4)

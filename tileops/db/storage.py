@@ -1,0 +1,204 @@
+"""Opening, reading and writing one tuning database file (SQLite through SQLAlchemy)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import sqlite3
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import create_engine, event, inspect, select
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session
+
+from .models import MIGRATIONS, SCHEMA_VERSION, Base, Meta, Record
+
+# Columns a caller fills when recording a result; the rest (id, created_at) are the database's.
+RECORD_FIELDS = tuple(c.name for c in Record.__table__.columns if c.name not in ("id",))
+KEY_FIELDS = ("op", "problem", "target_kind", "arch", "device")
+
+
+class DatabaseError(Exception):
+    """A tuning database that cannot be used: missing, locked, corrupt, or of a newer schema."""
+
+
+def canonical(value: Any) -> str:
+    """The canonical JSON text that problems and configs are stored and compared as."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+class TuningDB:
+    """One SQLite tuning database.
+
+    Read-only databases (the shipped ones) are opened with SQLite's `mode=ro`, so they work from a
+    read-only install directory and are never modified; writable ones are created on demand and
+    migrated to the current schema.
+    """
+
+    def __init__(self, path: str | Path, *, readonly: bool = False, timeout: float = 30.0):
+        self.path = Path(path).expanduser()
+        self.readonly = readonly
+        if readonly and not self.path.is_file():
+            raise DatabaseError(f"tuning database {self.path} does not exist")
+        if not readonly:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise DatabaseError(f"cannot create {self.path.parent}: {e}") from None
+        self.engine = _engine(self.path, readonly, timeout)
+        try:
+            self._check_schema()
+        except SQLAlchemyError as e:
+            self.engine.dispose()
+            raise DatabaseError(f"tuning database {self.path} is unusable: {_reason(e)}") from None
+        except DatabaseError:
+            self.engine.dispose()
+            raise
+
+    def __repr__(self) -> str:
+        return f"TuningDB({str(self.path)!r}{', readonly' if self.readonly else ''})"
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def __enter__(self) -> TuningDB:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- schema ---------------------------------------------------------------------------------
+    def _check_schema(self) -> None:
+        tables = set(inspect(self.engine).get_table_names())
+        if Meta.__tablename__ not in tables:
+            if tables:
+                raise DatabaseError(f"{self.path} is an SQLite file but not a tileops database")
+            if self.readonly:
+                raise DatabaseError(f"{self.path} is empty")
+            Base.metadata.create_all(self.engine)
+            with Session(self.engine) as s, s.begin():
+                s.add(Meta(key="schema_version", value=str(SCHEMA_VERSION)))
+            return
+        version = self.schema_version()
+        if version > SCHEMA_VERSION:
+            raise DatabaseError(f"{self.path} has schema version {version}, newer than this tileops "
+                                f"understands ({SCHEMA_VERSION}); upgrade tileops")
+        if version < SCHEMA_VERSION:
+            if self.readonly:
+                raise DatabaseError(f"{self.path} has old schema version {version}; open it "
+                                    "writable once (e.g. `tileops db verify --db PATH`) to migrate")
+            with self.engine.begin() as conn:
+                for v in range(version, SCHEMA_VERSION):
+                    MIGRATIONS[v](conn)
+            with Session(self.engine) as s, s.begin():
+                s.merge(Meta(key="schema_version", value=str(SCHEMA_VERSION)))
+
+    def schema_version(self) -> int:
+        with Session(self.engine) as s:
+            value = s.get(Meta, "schema_version")
+        if value is None:
+            raise DatabaseError(f"{self.path} has no schema version")
+        return int(value.value)
+
+    # ---- reading --------------------------------------------------------------------------------
+    def records(self, op: str | None = None, target_key: tuple[str, str, str] | None = None
+                ) -> list[Record]:
+        """Records, optionally of one operator and one target (kind, arch, device)."""
+        query = select(Record).order_by(Record.id)
+        if op is not None:
+            query = query.where(Record.op == op)
+        if target_key is not None:
+            kind, arch, device = target_key
+            query = query.where(Record.target_kind == kind, Record.arch == arch,
+                                Record.device == device)
+        try:
+            with Session(self.engine, expire_on_commit=False) as s:
+                rows = list(s.scalars(query))
+                s.expunge_all()
+        except SQLAlchemyError as e:
+            raise DatabaseError(f"cannot read {self.path}: {_reason(e)}") from None
+        return rows
+
+    # ---- writing --------------------------------------------------------------------------------
+    def put(self, **fields: Any) -> Record:
+        """Insert or replace the record with the same key (op, problem, target kind/arch/device)."""
+        return self.put_many([fields])[0]
+
+    def put_many(self, items: Iterable[dict[str, Any]]) -> list[Record]:
+        if self.readonly:
+            raise DatabaseError(f"{self.path} is opened read-only")
+        out = []
+        try:
+            with Session(self.engine, expire_on_commit=False) as s, s.begin():
+                for fields in items:
+                    fields = _normalise(fields)
+                    key = {k: fields[k] for k in KEY_FIELDS}
+                    row = s.scalars(select(Record).filter_by(**key)).first()
+                    if row is None:
+                        row = Record(**fields)
+                        s.add(row)
+                    else:
+                        for k, v in fields.items():
+                            setattr(row, k, v)
+                    out.append(row)
+                s.flush()
+                s.expunge_all()
+        except SQLAlchemyError as e:
+            raise DatabaseError(f"cannot write {self.path}: {_reason(e)}") from None
+        return out
+
+    def delete(self, ids: Iterable[int]) -> int:
+        ids = list(ids)
+        with Session(self.engine) as s, s.begin():
+            rows = s.scalars(select(Record).where(Record.id.in_(ids))).all()
+            for row in rows:
+                s.delete(row)
+        return len(rows)
+
+    def integrity_errors(self) -> list[str]:
+        """SQLite's own integrity check; empty when the file is sound."""
+        with self.engine.connect() as conn:
+            rows = conn.exec_driver_sql("PRAGMA integrity_check").fetchall()
+        return [r[0] for r in rows if r[0] != "ok"]
+
+
+def record_dict(record: Record) -> dict[str, Any]:
+    """A record's fields as a plain dict (without the id)."""
+    return {name: getattr(record, name) for name in RECORD_FIELDS}
+
+
+def _normalise(fields: dict[str, Any]) -> dict[str, Any]:
+    fields = dict(fields)
+    for name in ("problem", "config"):
+        if not isinstance(fields.get(name), str):
+            fields[name] = canonical(fields[name])
+    fields.setdefault("created_at", dt.datetime.now(dt.UTC).replace(tzinfo=None))
+    unknown = set(fields) - set(RECORD_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown record fields: {sorted(unknown)}")
+    return fields
+
+
+def _engine(path: Path, readonly: bool, timeout: float) -> Engine:
+    if readonly:
+        # mode=ro: never written, no journal created, so a read-only directory is fine.
+        url = f"sqlite:///file:{path.resolve()}?mode=ro&uri=true"
+    else:
+        url = f"sqlite:///{path.resolve()}"
+    engine = create_engine(url, connect_args={"timeout": timeout})
+
+    @event.listens_for(engine, "connect")
+    def _pragmas(dbapi_conn: sqlite3.Connection, _record: object) -> None:
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+
+    return engine
+
+
+def _reason(e: Exception) -> str:
+    orig = getattr(e, "orig", None)
+    return str(orig) if orig is not None else str(e).splitlines()[0]

@@ -1,0 +1,127 @@
+"""Dispatch: resolve a call's configuration, compile it once, launch it.
+
+The warm path of a call is `spec.prepare` (validation and the problem key), one dict lookup keyed
+by (operator, device, problem) and the launch; resolution and compilation happen on the first call
+of each problem bucket only. Compiled kernels are memoised in-process by (target, kernel key,
+config); TileLang's disk cache (`TILELANG_CACHE_DIR`) makes a new process's first call cheap too.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import target as _target
+from .db.layers import Choice, Resolver, TuningDatabaseWarning
+from .db.storage import canonical
+from .spec import Config, OpSpec
+from .target import Target
+
+log = logging.getLogger("tileops")
+
+Launcher = Callable[[tuple], torch.Tensor]
+
+
+def compile_kernel(spec: OpSpec, problem: tuple, config: Config, target: Target) -> Any:
+    """Compile (or fetch from the in-process memo) the kernel of `spec` for a configuration."""
+    key = (spec.name, target.key, spec.kernel_key(problem), canonical(config))
+    kernel = _kernels.get(key)
+    if kernel is None:
+        with _lock:
+            kernel = _kernels.get(key)
+            if kernel is None:
+                kernel = _compile(spec.build(problem, config, target), target)
+                _kernels[key] = kernel
+    return kernel
+
+
+def _compile(func: Any, target: Target) -> Any:
+    import tilelang
+
+    if target.kind == "cpu":
+        # TileLang's C target compiles without optimisation by default (about 15x slower).
+        return tilelang.compile(func, target="c", compile_flags=["-O3"])
+    return tilelang.compile(func, target=target.tilelang())
+
+
+class Dispatcher:
+    """Maps calls to launchers; one per process (`tileops.dispatch.DISPATCHER`)."""
+
+    def __init__(self) -> None:
+        self.resolver = Resolver()
+        self._launchers: dict[tuple, Launcher] = {}
+        self.choices: dict[tuple, Choice] = {}  # what each (op, target, problem) resolved to
+
+    def __call__(self, spec: OpSpec, *args: Any) -> torch.Tensor:
+        call = spec.prepare(*args)
+        launcher = self._launchers.get((spec.name, call.device, call.problem))
+        if launcher is None:
+            launcher = self._launcher(spec, call.device, call.problem)
+        return launcher(call.args)
+
+    def choice(self, spec: OpSpec, target: Target, problem: tuple) -> Choice:
+        """Resolve (and remember) the configuration for a problem, without compiling."""
+        key = (spec.name, target.key, problem)
+        choice = self.choices.get(key)
+        if choice is None:
+            choice = self.resolver.resolve(spec, target, problem)
+            if choice.source == "override":
+                expected = set(spec.default_config(problem, target))
+                if set(choice.config) != expected:
+                    raise ValueError(f"TILEOPS_CONFIG for {spec.name} must set exactly "
+                                     f"{sorted(expected)}; got {sorted(choice.config)}")
+            self.choices[key] = choice
+        return choice
+
+    def _launcher(self, spec: OpSpec, device: torch.device, problem: tuple) -> Launcher:
+        target = _target.target_of(device)
+        choice = self.choice(spec, target, problem)
+        if choice.use_baseline:
+            launcher: Launcher = spec.launch_baseline
+        else:
+            kernel = self._compile_choice(spec, target, problem, choice)
+            launch = spec.launch
+
+            def launcher(args: tuple) -> torch.Tensor:
+                return launch(kernel, args)
+
+        log.debug("%s %s on %s: %s config %s", spec.name, spec.problem_label(problem),
+                  target.describe(), choice.source, choice.config)
+        self._launchers[(spec.name, device, problem)] = launcher
+        return launcher
+
+    def _compile_choice(self, spec: OpSpec, target: Target, problem: tuple, choice: Choice) -> Any:
+        try:
+            return compile_kernel(spec, problem, choice.config, target)
+        except Exception as e:
+            if choice.source in ("default", "override"):
+                raise
+            # A database record whose config no longer builds must not break the user's call.
+            warnings.warn(f"{spec.name}: configuration {choice.config} from {choice.source} "
+                          f"failed to build ({type(e).__name__}: {e}); using the default",
+                          TuningDatabaseWarning, stacklevel=4)
+            config = spec.default_config(problem, target)
+            self.choices[(spec.name, target.key, problem)] = Choice(config, "default", False)
+            return compile_kernel(spec, problem, config, target)
+
+    def reset(self) -> None:
+        """Forget resolved configurations and re-read databases and overrides on the next call."""
+        self.resolver.close()
+        self._launchers.clear()
+        self.choices.clear()
+        _target.clear_cache()
+
+
+_lock = threading.Lock()
+_kernels: dict[tuple, Any] = {}
+DISPATCHER = Dispatcher()
+
+
+def reset() -> None:
+    """Re-read databases, `TILEOPS_*` overrides and target detection on the next call."""
+    DISPATCHER.reset()

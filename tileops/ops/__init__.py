@@ -1,0 +1,15 @@
+"""The operator catalog: every spec, by name."""
+
+from __future__ import annotations
+
+from ..spec import OpSpec
+from .gemm import GEMM
+
+SPECS: dict[str, OpSpec] = {spec.name: spec for spec in (GEMM,)}
+
+
+def get_spec(name: str) -> OpSpec:
+    try:
+        return SPECS[name]
+    except KeyError:
+        raise ValueError(f"unknown operator {name!r}; available: {', '.join(SPECS)}") from None

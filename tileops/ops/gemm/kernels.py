@@ -1,0 +1,103 @@
+"""GEMM tile programs: C[M, N] = A[M, K] @ B, fp32 accumulation.
+
+B is either (K, N) row-major (`trans_b=False`) or an (N, K) row-major weight (`trans_b=True`, what
+`w.t()` of an `nn.Linear` weight points at). M is a dynamic dimension, so one compiled kernel
+serves every M; N and K are compiled in. Tiles that run past M, N or K are predicated (the GPU
+copies zero-fill out-of-range elements; the CPU program checks its bounds).
+"""
+
+# No `from __future__ import annotations`: TileLang evaluates the prim_func annotations, which
+# refer to closure variables.
+import tilelang.cpu.language as TC
+import tilelang.language as T
+
+ACCUM = "float32"
+
+
+def gpu_program(N: int, K: int, dtype: str, out_dtype: str, trans_b: bool, *, block_M: int,
+                block_N: int, block_K: int, num_stages: int, threads: int, swizzle: int):
+    """The GPU tile program (wgmma on sm_90a, mma on older CUDA, MFMA/WMMA on HIP)."""
+    M = T.dynamic("m")
+    b_shape = (N, K) if trans_b else (K, N)
+    b_tile = (block_N, block_K) if trans_b else (block_K, block_N)
+
+    @T.prim_func
+    def gemm(A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype),
+             C: T.Tensor((M, N), out_dtype)):
+        with T.Kernel(T.ceildiv(N, block_N), T.ceildiv(M, block_M), threads=threads) as (bx, by):
+            A_s = T.alloc_shared((block_M, block_K), dtype)
+            B_s = T.alloc_shared(b_tile, dtype)
+            C_f = T.alloc_fragment((block_M, block_N), ACCUM)
+            if swizzle:
+                T.use_swizzle(panel_size=swizzle)
+            T.clear(C_f)
+            for ko in T.Pipelined(T.ceildiv(K, block_K), num_stages=num_stages):
+                T.copy(A[by * block_M, ko * block_K], A_s)
+                if trans_b:
+                    T.copy(B[bx * block_N, ko * block_K], B_s)
+                else:
+                    T.copy(B[ko * block_K, bx * block_N], B_s)
+                T.gemm(A_s, B_s, C_f, transpose_B=trans_b)
+            T.copy(C_f, C[by * block_M, bx * block_N])
+
+    return gemm
+
+
+# The C backend has no bfloat16 type: bf16 tensors enter and leave the CPU program as their
+# uint16 bit patterns and are converted here (round to nearest even on the way out).
+def _bits(dtype: str) -> str:
+    return "uint16" if dtype == "bfloat16" else dtype
+
+
+def _to_f32(x, dtype: str):
+    if dtype == "bfloat16":
+        return T.reinterpret("float32", T.shift_left(T.cast(x, "uint32"), T.uint32(16)))
+    return T.cast(x, ACCUM)
+
+
+def _from_f32(v, dtype: str):
+    if dtype != "bfloat16":
+        return T.cast(v, dtype)
+    bits = T.reinterpret("uint32", v)
+    rounded = T.shift_right(bits + T.uint32(0x7FFF) + T.bitwise_and(T.shift_right(bits, T.uint32(16)),
+                                                                     T.uint32(1)), T.uint32(16))
+    return T.cast(T.if_then_else(T.isnan(v), T.uint32(0x7FC0), rounded), "uint16")
+
+
+def cpu_program(N: int, K: int, dtype: str, out_dtype: str, trans_b: bool, *, block_M: int,
+                block_N: int, block_K: int):
+    """The CPU form of the same tile program, for TileLang's C target.
+
+    Each program instance owns a block_M x block_N tile of C: it stages zero-padded A and B tiles
+    in local buffers (fp32), accumulates their product, and writes the in-range part back.
+    """
+    M = TC.dynamic("m")
+    b_shape = (N, K) if trans_b else (K, N)
+
+    @TC.prim_func
+    def gemm(A: TC.Tensor((M, K), _bits(dtype)), B: TC.Tensor(b_shape, _bits(dtype)),
+             C: TC.Tensor((M, N), _bits(out_dtype))):
+        with TC.Kernel(TC.ceildiv(N, block_N), TC.ceildiv(M, block_M)) as (bx, by):
+            a = TC.alloc_local((block_M, block_K), ACCUM)
+            b = TC.alloc_local((block_K, block_N), ACCUM)
+            acc = TC.alloc_local((block_M, block_N), ACCUM)
+            for i, j in TC.grid(block_M, block_N):
+                acc[i, j] = 0.0
+            for ko in TC.serial(TC.ceildiv(K, block_K)):
+                for i, kk in TC.grid(block_M, block_K):
+                    m, k = by * block_M + i, ko * block_K + kk
+                    a[i, kk] = TC.if_then_else(m < M and k < K, _to_f32(A[m, k], dtype), 0.0)
+                for kk, j in TC.grid(block_K, block_N):
+                    n, k = bx * block_N + j, ko * block_K + kk
+                    if trans_b:
+                        b[kk, j] = TC.if_then_else(n < N and k < K, _to_f32(B[n, k], dtype), 0.0)
+                    else:
+                        b[kk, j] = TC.if_then_else(n < N and k < K, _to_f32(B[k, n], dtype), 0.0)
+                for i, kk, j in TC.grid(block_M, block_K, block_N):
+                    acc[i, j] += a[i, kk] * b[kk, j]
+            # Element by element: the C backend's vectorised fp16 cast is broken.
+            for i, j in TC.grid(block_M, block_N):
+                if by * block_M + i < M and bx * block_N + j < N:
+                    C[by * block_M + i, bx * block_N + j] = _from_f32(acc[i, j], out_dtype)
+
+    return gemm

@@ -1,0 +1,195 @@
+"""GEMM: C = A @ B with fp32 accumulation.
+
+Problem key: (M bucket, N, K, dtype, layout, out_dtype). `layout` is "kn" for a row-major (K, N)
+B and "nk" for the transposed view of an (N, K) weight (`w.t()`), which is used without a copy.
+M is bucketed by `pow2_bucket` (1, 2, 4, ..., 1024, 2048, ...): every M in (2^(i-1), 2^i] shares
+the configuration tuned for 2^i and, the kernel being dynamic in M, the same compiled kernel.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, NamedTuple
+
+import torch
+
+from ...spec import Call, Config, OpSpec, pow2_bucket
+from ...target import Target
+from . import kernels
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_NAMES = {v: k for k, v in DTYPES.items()}
+_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# What each device type's kernels take as inputs.
+SUPPORTED = {"cuda": ("float16", "bfloat16"), "cpu": ("float32", "float16", "bfloat16")}
+# Shared memory a block may use, by CUDA arch family (bytes).
+_SMEM_LIMIT = {"sm_90": 227 * 1024, "sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024}
+
+
+class GemmProblem(NamedTuple):
+    M: int
+    N: int
+    K: int
+    dtype: str
+    layout: str
+    out_dtype: str
+
+
+def _name(dtype: torch.dtype) -> str:
+    return _NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+class GemmSpec(OpSpec):
+    name = "gemm"
+    Problem = GemmProblem
+    bucketed = ("M",)
+    categorical = ("dtype", "layout", "out_dtype")
+    baseline_name = "torch.matmul"
+    kernel_module = kernels.__name__
+
+    # ---- problems -------------------------------------------------------------------------------
+    def prepare(self, a: torch.Tensor, b: torch.Tensor,
+                out_dtype: torch.dtype | None = None) -> Call:
+        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+            raise TypeError(f"gemm expects two tensors, got {type(a).__name__} and "
+                            f"{type(b).__name__}")
+        if a.dim() != 2 or b.dim() != 2:
+            raise ValueError(f"gemm expects 2-D a (M, K) and b (K, N); got a of shape "
+                             f"{tuple(a.shape)} and b of shape {tuple(b.shape)}")
+        if a.device != b.device:
+            raise ValueError(f"gemm: a is on {a.device} but b is on {b.device}")
+        if a.dtype != b.dtype:
+            raise TypeError(f"gemm: a is {_name(a.dtype)} but b is {_name(b.dtype)}; "
+                            "both must have the same dtype")
+        dtype = _name(a.dtype)
+        allowed = SUPPORTED.get("cuda" if a.device.type == "cuda" else a.device.type)
+        if allowed is None:
+            raise ValueError(f"gemm: tensors on {a.device.type} are not supported "
+                             f"(supported: {', '.join(SUPPORTED)})")
+        if dtype not in allowed:
+            raise TypeError(f"gemm on {a.device.type}: dtype {dtype} is not supported "
+                            f"(allowed: {', '.join(allowed)})")
+        M, K = a.shape
+        K2, N = b.shape
+        if K != K2:
+            raise ValueError(f"gemm: inner dimensions differ: a is {M}x{K}, b is {K2}x{N}")
+        if M == 0 or N == 0 or K == 0:
+            raise ValueError(f"gemm: empty operand (M={M}, N={N}, K={K}); all sizes must be >= 1")
+        out = dtype if out_dtype is None else _name(out_dtype)
+        if out not in DTYPES:
+            raise TypeError(f"gemm: out_dtype {out} is not supported (allowed: {', '.join(DTYPES)})")
+        if not a.is_contiguous():
+            a = a.contiguous()
+        if b.is_contiguous():
+            layout = "kn"
+        elif b.t().is_contiguous():  # w.t() of an (N, K) weight: use the weight itself
+            layout, b = "nk", b.t()
+        else:
+            layout, b = "kn", b.contiguous()
+        problem = GemmProblem(pow2_bucket(M), N, K, dtype, layout, out)
+        return Call(a.device, problem, (a, b, layout == "nk", DTYPES[out]))
+
+    def parse_problem(self, text: str, dtype: str) -> GemmProblem:
+        match = re.fullmatch(r"\s*(\d+)x(\d+)x(\d+)(?::(kn|nk))?\s*", text)
+        if not match:
+            raise ValueError(f"bad GEMM shape {text!r}: expected MxNxK, optionally with :kn or "
+                             ":nk for the layout of B (default nk, the transposed weight w.t())")
+        if dtype not in DTYPES:
+            raise ValueError(f"bad dtype {dtype!r} for gemm: expected one of {', '.join(DTYPES)}")
+        M, N, K = (int(match.group(i)) for i in (1, 2, 3))
+        if min(M, N, K) < 1:
+            raise ValueError(f"bad GEMM shape {text!r}: sizes must be >= 1")
+        return GemmProblem(pow2_bucket(M), N, K, dtype, match.group(4) or "nk", dtype)
+
+    # ---- configuration --------------------------------------------------------------------------
+    def default_config(self, problem: GemmProblem, target: Target) -> Config:
+        M, N = problem.M, problem.N
+        if target.kind == "cpu":
+            return {"block_M": min(M, 32) if M <= 32 else 32, "block_N": 32, "block_K": 64}
+        units = target.units or 132
+        if M <= 64:  # decode: bound by reading B; spread it over as many CTAs as possible
+            block_N = 64 if units <= -(-N // 64) else 32
+            return {"block_M": 64, "block_N": block_N, "block_K": 128, "num_stages": 4,
+                    "threads": 128, "swizzle": 0}
+        if M <= 256:
+            return {"block_M": 64, "block_N": 128, "block_K": 64, "num_stages": 4,
+                    "threads": 128, "swizzle": 0}
+        return {"block_M": 128, "block_N": 256, "block_K": 64, "num_stages": 3, "threads": 256,
+                "swizzle": 8}
+
+    def check_config(self, problem: GemmProblem, config: Config, target: Target) -> str | None:
+        if target.kind == "cpu":
+            return None
+        bm, bn, bk = config["block_M"], config["block_N"], config["block_K"]
+        threads, stages = config["threads"], config["num_stages"]
+        esize = _SIZES[problem.dtype]
+        smem = stages * (bm * bk + bk * bn) * esize
+        limit = _SMEM_LIMIT.get(target.arch.rstrip("a"), 99 * 1024)
+        if smem > limit:
+            return f"shared memory {smem // 1024} KiB > {limit // 1024} KiB"
+        if bm * bn // threads > 128:
+            return f"{bm * bn // threads} accumulators per thread (> 128 registers)"
+        if target.arch.startswith("sm_90") and bm % (64 * (threads // 128)) != 0:
+            return f"wgmma needs block_M a multiple of 64 per warpgroup ({threads // 128})"
+        if bm * bk * esize < threads * 16 // 2:
+            return "A tile too small for the thread block"
+        return None
+
+    # ---- kernels --------------------------------------------------------------------------------
+    def build(self, problem: GemmProblem, config: Config, target: Target) -> Any:
+        _, N, K, dtype, layout, out_dtype = problem
+        trans_b = layout == "nk"
+        if target.kind == "cpu":
+            return kernels.cpu_program(N, K, dtype, out_dtype, trans_b, **config)
+        return kernels.gpu_program(N, K, dtype, out_dtype, trans_b, **config)
+
+    def launch(self, kernel, args: tuple) -> torch.Tensor:
+        a, b, trans_b, out_dtype = args
+        c = torch.empty((a.shape[0], b.shape[0] if trans_b else b.shape[1]), dtype=out_dtype,
+                        device=a.device)
+        if a.device.type == "cpu":
+            kernel(_bits(a), _bits(b), _bits(c))
+        else:
+            kernel(a, b, c)
+        return c
+
+    def launch_baseline(self, args: tuple) -> torch.Tensor:
+        a, b, trans_b, out_dtype = args
+        c = torch.matmul(a, b.t() if trans_b else b)
+        return c if c.dtype == out_dtype else c.to(out_dtype)
+
+    # ---- inputs, reference, roofline ------------------------------------------------------------
+    def make_inputs(self, problem: GemmProblem, device: torch.device, seed: int = 0,
+                    sizes: dict[str, int] | None = None) -> tuple:
+        M = (sizes or {}).get("M", problem.M)
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        dtype = DTYPES[problem.dtype]
+        a = torch.randn(M, problem.K, generator=gen).to(device=device, dtype=dtype)
+        if problem.layout == "nk":
+            b = torch.randn(problem.N, problem.K, generator=gen).to(device=device, dtype=dtype).t()
+        else:
+            b = torch.randn(problem.K, problem.N, generator=gen).to(device=device, dtype=dtype)
+        return (a, b, DTYPES[problem.out_dtype])
+
+    def reference(self, inputs: tuple) -> torch.Tensor:
+        a, b = inputs[0], inputs[1]
+        return a.double() @ b.double()
+
+    def flops(self, problem: GemmProblem) -> float:
+        return 2.0 * problem.M * problem.N * problem.K
+
+    def bytes_moved(self, problem: GemmProblem) -> float:
+        M, N, K = problem.M, problem.N, problem.K
+        return (M * K + K * N) * _SIZES[problem.dtype] + M * N * _SIZES[problem.out_dtype]
+
+    def tolerance(self, problem: GemmProblem) -> float:
+        low = {"float16", "bfloat16"}
+        return 1e-2 if low & {problem.dtype, problem.out_dtype} else 1e-5
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """bf16 tensors cross into the CPU program as their uint16 bit patterns."""
+    return t.view(torch.uint16) if t.dtype is torch.bfloat16 else t
+
+
+GEMM = GemmSpec()

@@ -1,0 +1,176 @@
+"""The operator spec: one declarative record per operator that every layer reads.
+
+The dispatcher, the tuner, the tests and the benchmarks take an `OpSpec` and never name an operator.
+A spec says what a problem is (the key tuning records are stored under, with run-time-varying sizes
+bucketed), where its configuration space lives (`configs/<op>.toml`, one table per target kind),
+the heuristic default for any problem, how to build its kernels, how to make inputs for a problem,
+the reference and the baseline, and the FLOP/byte model for roofline figures.
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+import hashlib
+import importlib
+import inspect
+import itertools
+import json
+import math
+import tomllib
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+
+from .resources import data_dir
+from .target import Target
+
+Config = dict[str, Any]
+
+
+def pow2_bucket(n: int) -> int:
+    """The bucket of a run-time size: the next power of two at or above it (1, 2, 4, ... )."""
+    return 1 << (n - 1).bit_length()
+
+
+class Call(NamedTuple):
+    """A validated call: where it runs, its problem key and the arguments the kernel launch takes."""
+
+    device: torch.device
+    problem: tuple
+    args: tuple
+
+
+class OpSpec(abc.ABC):
+    """Everything the library knows about one operator.
+
+    Subclasses set the class attributes and implement the abstract methods; `Problem` is a
+    NamedTuple whose fields are the problem key. Fields named in `bucketed` hold bucket values
+    (the largest size of the bucket) and the compiled kernel is dynamic in them.
+    """
+
+    name: ClassVar[str]
+    Problem: ClassVar[type]
+    bucketed: ClassVar[tuple[str, ...]] = ()
+    categorical: ClassVar[tuple[str, ...]] = ()  # problem fields that must match exactly
+    baseline_name: ClassVar[str]
+
+    # ---- problems -------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def prepare(self, *args: Any, **kwargs: Any) -> Call:
+        """Validate a user call (clear TypeError/ValueError) and derive its problem key."""
+
+    @abc.abstractmethod
+    def parse_problem(self, text: str, dtype: str) -> tuple:
+        """Parse a problem from the command line (e.g. `4096x4096x4096` for GEMM)."""
+
+    def problem_dict(self, problem: tuple) -> dict[str, Any]:
+        return dict(zip(self.Problem._fields, problem, strict=True))
+
+    def problem_from_dict(self, d: dict[str, Any]) -> tuple:
+        return self.Problem(**{f: d[f] for f in self.Problem._fields})
+
+    def problem_label(self, problem: tuple) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.problem_dict(problem).items())
+
+    def distance(self, a: tuple, b: tuple) -> float | None:
+        """How far apart two problems are (None: not comparable): sum of |log2| size ratios."""
+        total = 0.0
+        for field, x, y in zip(self.Problem._fields, a, b, strict=True):
+            if field in self.categorical:
+                if x != y:
+                    return None
+            else:
+                total += abs(math.log2(max(x, 1) / max(y, 1)))
+        return total
+
+    # ---- configuration space --------------------------------------------------------------------
+    def space(self, target: Target) -> dict[str, list[Any]]:
+        """The search space for a target kind, read from `configs/<op>.toml`."""
+        return _load_space(self.name, target.kind)
+
+    def space_hash(self, target: Target) -> str:
+        text = json.dumps(self.space(target), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def configs(self, problem: tuple, target: Target) -> Iterator[Config]:
+        """Every point of the grid that passes `check_config`."""
+        space = self.space(target)
+        keys = list(space)
+        for values in itertools.product(*(space[k] for k in keys)):
+            config = dict(zip(keys, values, strict=True))
+            if self.check_config(problem, config, target) is None:
+                yield config
+
+    @abc.abstractmethod
+    def default_config(self, problem: tuple, target: Target) -> Config:
+        """A heuristic configuration that is valid for any problem on the target."""
+
+    def check_config(self, problem: tuple, config: Config, target: Target) -> str | None:
+        """Why a configuration cannot work for this problem and target (None: it can)."""
+        return None
+
+    # ---- kernels --------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def build(self, problem: tuple, config: Config, target: Target) -> Any:
+        """The TileLang program (a PrimFunc) for a problem and configuration."""
+
+    def kernel_key(self, problem: tuple) -> tuple:
+        """The part of a problem a compiled kernel is specialised to (bucketed fields dropped)."""
+        return tuple(v for f, v in zip(self.Problem._fields, problem, strict=True)
+                     if f not in self.bucketed)
+
+    @abc.abstractmethod
+    def launch(self, kernel: Callable, args: tuple) -> torch.Tensor:
+        """Run a compiled kernel on the arguments `prepare` produced; return the output."""
+
+    @abc.abstractmethod
+    def launch_baseline(self, args: tuple) -> torch.Tensor:
+        """Run the baseline (the vendor library path) on the same arguments."""
+
+    def kernel_hash(self) -> str:
+        """Hash of the kernel builders' source: records made for other kernels are stale."""
+        return _module_hash(type(self).kernel_module)
+
+    kernel_module: ClassVar[str]  # dotted module holding the tile programs
+
+    # ---- inputs, reference, roofline ------------------------------------------------------------
+    @abc.abstractmethod
+    def make_inputs(self, problem: tuple, device: torch.device, seed: int = 0,
+                    sizes: dict[str, int] | None = None) -> tuple:
+        """Fresh random user-level inputs (as passed to the public function) for a problem.
+
+        `sizes` gives concrete values for bucketed fields (default: the bucket's largest size).
+        """
+
+    @abc.abstractmethod
+    def reference(self, inputs: tuple) -> torch.Tensor:
+        """The exact result in float64, computed with torch on upcast inputs."""
+
+    @abc.abstractmethod
+    def flops(self, problem: tuple) -> float: ...
+
+    @abc.abstractmethod
+    def bytes_moved(self, problem: tuple) -> float:
+        """The fewest bytes a kernel must move through device memory."""
+
+    def tolerance(self, problem: tuple) -> float:
+        """Largest accepted relative error ||out - ref|| / ||ref||."""
+        return 1e-2
+
+
+@functools.cache
+def _load_space(op: str, kind: str) -> dict[str, list[Any]]:
+    path = data_dir("configs") / f"{op}.toml"
+    with open(path, "rb") as f:
+        spaces = tomllib.load(f)
+    if kind not in spaces:
+        raise ValueError(f"{op}: no configuration space for target kind {kind!r} in {path}")
+    return {k: list(v) for k, v in spaces[kind].items()}
+
+
+@functools.cache
+def _module_hash(module: str) -> str:
+    source = inspect.getsource(importlib.import_module(module))
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
