@@ -51,14 +51,14 @@ def _bits(dtype: str) -> str:
 
 def _to_f32(x, dtype: str):
     if dtype == "bfloat16":
-        return T.reinterpret("float32", T.shift_left(T.cast(x, "uint32"), T.uint32(16)))
+        return T.reinterpret(T.shift_left(T.cast(x, "uint32"), T.uint32(16)), "float32")
     return T.cast(x, ACCUM)
 
 
 def _from_f32(v, dtype: str):
     if dtype != "bfloat16":
         return T.cast(v, dtype)
-    bits = T.reinterpret("uint32", v)
+    bits = T.reinterpret(v, "uint32")
     rounded = T.shift_right(bits + T.uint32(0x7FFF) + T.bitwise_and(T.shift_right(bits, T.uint32(16)),
                                                                      T.uint32(1)), T.uint32(16))
     return T.cast(T.if_then_else(T.isnan(v), T.uint32(0x7FC0), rounded), "uint16")

@@ -1,0 +1,41 @@
+"""Shared fixtures: every test gets its own user database and no target/config overrides."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tileops
+from tileops.db import Resolver
+from tileops.dispatch import DISPATCHER
+
+HAS_CUDA = torch.cuda.is_available() and torch.version.hip is None
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILEOPS_USER_DB", str(tmp_path / "user.sqlite"))
+    for var in ("TILEOPS_TARGET", "TILELANG_DEFAULT_TARGET", "TILEOPS_CONFIG"):
+        monkeypatch.delenv(var, raising=False)
+    tileops.reset()
+    DISPATCHER.resolver = Resolver(shipped=[])  # tests never read the databases we ship
+    yield
+    tileops.reset()
+
+
+@pytest.fixture
+def use_dbs():
+    """Point dispatch at the given user database and shipped databases."""
+
+    def use(user, shipped=()):
+        tileops.reset()
+        DISPATCHER.resolver = Resolver(user_db=user, shipped=list(shipped))
+
+    return use
