@@ -1,0 +1,112 @@
+"""Untuned (heuristic default) GEMM against torch.matmul, and the warm-path host overhead.
+
+    python benchmarks/spine_report.py --out results.json
+
+Times with CUDA events after warm-up, median of repeats, L2 flushed before each repeat. The
+dispatch overhead is measured on a tiny problem whose GPU time is far below the host time, so a
+loop of asynchronous launches measures the host path alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import tileops
+from tileops import dispatch
+from tileops.dispatch import DISPATCHER
+from tileops.ops.gemm import GEMM
+from tileops.target import target_of
+
+SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192)] + [
+    (M, N, K) for M in (16, 4096) for N, K in ((6144, 4096), (4096, 4096), (28672, 4096),
+                                               (4096, 14336))]
+
+
+def cuda_time_us(fn, reps: int = 50, warmup: int = 10) -> float:
+    flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def host_us(fn, n: int = 20000) -> float:
+    for _ in range(200):
+        fn()
+    torch.cuda.synchronize()
+    best = []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(n // 5):
+            fn()
+        best.append((time.perf_counter() - t) / (n // 5) * 1e6)
+        torch.cuda.synchronize()
+    return min(best)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="spine_report.json")
+    ap.add_argument("--dtype", default="bfloat16")
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    target = target_of(torch.device("cuda"))
+    rows = []
+    for M, N, K in SHAPES:
+        a = torch.randn(M, K, device="cuda", dtype=dtype)
+        w = torch.randn(N, K, device="cuda", dtype=dtype)
+        ref = a.double() @ w.double().t()
+        out = tileops.gemm(a, w.t())
+        err = float((out.double() - ref).norm() / ref.norm())
+        t_tile = cuda_time_us(lambda a=a, w=w: tileops.gemm(a, w.t()))
+        t_base = cuda_time_us(lambda a=a, w=w: torch.matmul(a, w.t()))
+        flops = 2.0 * M * N * K
+        choice = DISPATCHER.choice(GEMM, target, GEMM.prepare(a, w.t()).problem)
+        rows.append({"M": M, "N": N, "K": K, "dtype": args.dtype, "rel_err": err,
+                     "tileops_us": t_tile, "baseline_us": t_base,
+                     "tileops_tflops": flops / t_tile / 1e6, "baseline_tflops": flops / t_base / 1e6,
+                     "weight_tbps": N * K * a.element_size() / t_tile / 1e6,
+                     "speedup": t_base / t_tile, "config": choice.config})
+        print(f"{M:5d} {N:6d} {K:6d}  tile {t_tile:9.1f} us {flops / t_tile / 1e6:7.1f} TF/s  "
+              f"cuBLAS {t_base:9.1f} us {flops / t_base / 1e6:7.1f} TF/s  x{t_base / t_tile:.2f}"
+              f"  err {err:.1e}  {choice.config}", flush=True)
+
+    # Host overhead of the warm path: tileops.gemm vs the compiled kernel called directly.
+    a = torch.randn(1, 256, device="cuda", dtype=dtype)
+    w = torch.randn(256, 256, device="cuda", dtype=dtype)
+    tileops.gemm(a, w.t())
+    problem = GEMM.prepare(a, w.t()).problem
+    config = DISPATCHER.choice(GEMM, target, problem).config
+    kernel = dispatch.compile_kernel(GEMM, problem, config, target)
+    c = torch.empty(1, 256, device="cuda", dtype=dtype)
+    overhead = {
+        "tileops.gemm": host_us(lambda: tileops.gemm(a, w.t())),
+        "kernel(a, w, c) preallocated": host_us(lambda: kernel(a, w, c)),
+        "kernel with torch.empty": host_us(
+            lambda: kernel(a, w, torch.empty(1, 256, device="cuda", dtype=dtype))),
+        "torch.matmul": host_us(lambda: torch.matmul(a, w.t())),
+    }
+    for k, v in overhead.items():
+        print(f"host {k:32s} {v:6.2f} us")
+    versions = {"tileops": tileops.__version__, "torch": torch.__version__,
+                "cuda": torch.version.cuda}
+    with open(args.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "target": target.describe(),
+                   "versions": versions, "cases": rows, "host_overhead_us": overhead}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""Tuning database layering, fallbacks and robustness, and what dispatch does with records."""
+
+from __future__ import annotations
+
+import sqlite3
+import warnings
+
+import pytest
+import torch
+from helpers import make_record, rel_error, write_db
+
+import tileops
+from tileops.db import DatabaseError, TuningDatabaseWarning, TuningDB
+from tileops.db.models import SCHEMA_VERSION
+from tileops.dispatch import DISPATCHER
+from tileops.ops.gemm import GEMM
+from tileops.target import Target, target_of
+
+CPU_T = target_of(torch.device("cpu"))
+P = GEMM.Problem(16, 64, 96, "float32", "nk", "float32")
+CFG_USER = {"block_M": 16, "block_N": 16, "block_K": 32}
+CFG_SHIP = {"block_M": 4, "block_N": 32, "block_K": 16}
+
+
+def choice(problem=P, target=CPU_T):
+    return DISPATCHER.choice(GEMM, target, problem)
+
+
+def test_default_without_databases(tmp_path, use_dbs):
+    use_dbs(tmp_path / "none.sqlite")
+    c = choice()
+    assert c.source == "default" and c.config == GEMM.default_config(P, CPU_T)
+
+
+def test_user_beats_shipped_and_exact_beats_nearest(tmp_path, use_dbs):
+    ship = write_db(tmp_path / "ship.sqlite", [make_record(GEMM, CPU_T, P, CFG_SHIP)])
+    near = P._replace(M=32)
+    user = write_db(tmp_path / "user.sqlite", [make_record(GEMM, CPU_T, near, CFG_USER)])
+    use_dbs(user, [ship])
+    c = choice()
+    assert (c.source, c.exact, c.config) == ("shipped:ship.sqlite", True, CFG_SHIP)
+    # Exact in the user database wins over exact in the shipped one.
+    write_db(user, [make_record(GEMM, CPU_T, P, CFG_USER)])
+    use_dbs(user, [ship])
+    assert (choice().source, choice().config) == ("user", CFG_USER)
+
+
+def test_nearest_problem_of_same_target(tmp_path, use_dbs):
+    far, near = P._replace(M=1024), P._replace(M=64)
+    user = write_db(tmp_path / "u.sqlite", [
+        make_record(GEMM, CPU_T, far, CFG_SHIP),
+        make_record(GEMM, CPU_T, near, CFG_USER),
+        make_record(GEMM, CPU_T, P._replace(dtype="float16"), CFG_SHIP),  # not comparable
+    ])
+    use_dbs(user)
+    c = choice()
+    assert (c.source, c.exact, c.config) == ("user", False, CFG_USER)
+    assert c.record.problem == make_record(GEMM, CPU_T, near, {})["problem"] or c.record
+
+
+def test_records_of_other_targets_are_never_served(tmp_path, use_dbs):
+    h200 = Target("cuda", "sm_90a", "NVIDIA H200", 132)
+    mi300 = Target("hip", "gfx942", "AMD Instinct MI300X", 304)
+    other_cpu = Target("cpu", CPU_T.arch, "another cpu", 64)
+    gpu_cfg = {"block_M": 128, "block_N": 256, "block_K": 64, "num_stages": 3, "threads": 256,
+               "swizzle": 8}
+    records = [make_record(GEMM, t, P, cfg, space_hash="x")
+               for t, cfg in ((h200, gpu_cfg), (mi300, dict(gpu_cfg, block_N=128)),
+                              (other_cpu, CFG_SHIP))]
+    records.append(make_record(GEMM, CPU_T, P, CFG_USER))
+    use_dbs(write_db(tmp_path / "multi.sqlite", records))
+    assert choice().config == CFG_USER
+    assert choice(target=h200).config == gpu_cfg
+    assert choice(target=mi300).config["block_N"] == 128
+    assert choice(target=other_cpu).config == CFG_SHIP
+    lone = Target("cuda", "sm_80", "NVIDIA A100", 108)
+    assert choice(target=lone).source == "default"
+
+
+def test_dispatch_runs_the_recorded_config(tmp_path, use_dbs):
+    use_dbs(write_db(tmp_path / "u.sqlite", [make_record(GEMM, CPU_T, P, CFG_USER)]))
+    a, b, _ = GEMM.make_inputs(P, torch.device("cpu"), sizes={"M": 11})
+    out = tileops.gemm(a, b)
+    assert rel_error(out, GEMM.reference((a, b))) < 1e-5
+    (key, c), = DISPATCHER.choices.items()
+    assert c.config == CFG_USER and c.source == "user"
+
+
+def test_baseline_record_dispatches_to_the_baseline(tmp_path, use_dbs, monkeypatch):
+    rec = make_record(GEMM, CPU_T, P, CFG_USER, chosen="baseline", tile_us=20.0, baseline_us=5.0)
+    use_dbs(write_db(tmp_path / "u.sqlite", [rec]))
+    calls = []
+    original = GEMM.launch_baseline
+    monkeypatch.setattr(GEMM, "launch_baseline", lambda args: calls.append(1) or original(args))
+    a, b, _ = GEMM.make_inputs(P, torch.device("cpu"))
+    assert rel_error(tileops.gemm(a, b), GEMM.reference((a, b))) < 1e-5
+    assert calls == [1]
+
+
+def test_override_config(monkeypatch):
+    monkeypatch.setenv("TILEOPS_CONFIG", '{"gemm": {"block_M": 2, "block_N": 8, "block_K": 8}}')
+    c = choice()
+    assert (c.source, c.config) == ("override", {"block_M": 2, "block_N": 8, "block_K": 8})
+    tileops.reset()
+    monkeypatch.setenv("TILEOPS_CONFIG", '{"block_M": 2}')
+    with pytest.raises(ValueError, match="must set exactly"):
+        choice()
+
+
+def _expect_warning_and_default(match):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        c = choice()
+    assert c.source == "default"
+    msgs = [str(w.message) for w in caught if issubclass(w.category, TuningDatabaseWarning)]
+    assert len(msgs) == 1 and match in msgs[0], msgs
+
+
+def test_corrupt_database_warns_once_and_falls_through(tmp_path, use_dbs):
+    bad = tmp_path / "bad.sqlite"
+    bad.write_bytes(b"this is not a database" * 100)
+    use_dbs(tmp_path / "none.sqlite", [bad])
+    _expect_warning_and_default("bad.sqlite")
+    # A second problem does not warn again.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        choice(P._replace(M=2))
+    assert not [w for w in caught if issubclass(w.category, TuningDatabaseWarning)]
+
+
+def test_missing_shipped_database(tmp_path, use_dbs):
+    use_dbs(tmp_path / "none.sqlite", [tmp_path / "gone.sqlite"])
+    _expect_warning_and_default("does not exist")
+
+
+def test_not_a_tileops_database(tmp_path, use_dbs):
+    other = tmp_path / "other.sqlite"
+    with sqlite3.connect(other) as conn:
+        conn.execute("CREATE TABLE t (x INTEGER)")
+    use_dbs(other)
+    _expect_warning_and_default("not a tileops database")
+
+
+def test_newer_schema_is_refused(tmp_path, use_dbs):
+    path = write_db(tmp_path / "new.sqlite", [make_record(GEMM, CPU_T, P, CFG_USER)])
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE tileops_meta SET value = ? WHERE key = 'schema_version'",
+                     (str(SCHEMA_VERSION + 1),))
+    use_dbs(path)
+    _expect_warning_and_default("newer")
+
+
+def test_locked_database(tmp_path, use_dbs):
+    path = write_db(tmp_path / "locked.sqlite", [make_record(GEMM, CPU_T, P, CFG_USER)])
+    holder = sqlite3.connect(path)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        use_dbs(path)
+        _expect_warning_and_default("locked")
+    finally:
+        holder.rollback()
+        holder.close()
+
+
+def test_stale_records_are_ignored_with_a_warning(tmp_path, use_dbs):
+    records = [make_record(GEMM, CPU_T, P, CFG_USER, tilelang_version="0.0.1"),
+               make_record(GEMM, CPU_T, P._replace(M=8), CFG_USER, kernel_hash="0" * 16)]
+    use_dbs(write_db(tmp_path / "stale.sqlite", records))
+    _expect_warning_and_default("2 stale gemm record(s)")
+
+
+def test_shipped_database_is_opened_read_only(tmp_path, use_dbs):
+    ship_dir = tmp_path / "ship"
+    ship_dir.mkdir()
+    path = write_db(ship_dir / "h.sqlite", [make_record(GEMM, CPU_T, P, CFG_SHIP)])
+    before = (path.read_bytes(), sorted(p.name for p in ship_dir.iterdir()))
+    use_dbs(tmp_path / "none.sqlite", [path])
+    assert choice().config == CFG_SHIP
+    with TuningDB(path, readonly=True) as db, pytest.raises(DatabaseError, match="read-only"):
+        db.put(**make_record(GEMM, CPU_T, P, CFG_USER))
+    assert (path.read_bytes(), sorted(p.name for p in ship_dir.iterdir())) == before
+
+
+def test_put_replaces_the_record_with_the_same_key(tmp_path):
+    path = tmp_path / "db.sqlite"
+    with TuningDB(path) as db:
+        db.put(**make_record(GEMM, CPU_T, P, CFG_SHIP))
+        db.put(**make_record(GEMM, CPU_T, P, CFG_USER, tile_us=3.0))
+        db.put(**make_record(GEMM, CPU_T, P._replace(M=2), CFG_USER))
+        rows = db.records("gemm", CPU_T.key)
+    assert len(rows) == 2 and {r.tile_us for r in rows} == {3.0, 10.0}
+    assert db.integrity_errors() == []

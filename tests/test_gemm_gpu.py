@@ -1,0 +1,68 @@
+"""GEMM on a CUDA GPU (marked `gpu`: skipped cleanly without one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import rel_error
+
+import tileops
+from tileops import dispatch
+from tileops.ops.gemm import GEMM
+from tileops.target import target_of
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = [(1, 1, 1), (1, 4096, 4096), (7, 4097, 4095), (16, 6144, 4096), (100, 1000, 333),
+          (257, 129, 65), (1000, 4096, 14336), (4096, 4096, 4096), (8192, 8192, 8192)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("M", "N", "K"), SHAPES)
+def test_gemm_cuda(M, N, K, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(M + N + K)
+    a = torch.randn(M, K, device="cuda", dtype=dtype, generator=gen)
+    w = torch.randn(N, K, device="cuda", dtype=dtype, generator=gen)
+    ref = a.double() @ w.double().t()
+    out = tileops.gemm(a, w.t())
+    assert out.shape == (M, N) and out.dtype == dtype
+    assert rel_error(out, ref) < 1e-2
+    b = w.t().contiguous()  # (K, N) row-major
+    assert rel_error(tileops.gemm(a, b), ref) < 1e-2
+
+
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_every_element_written_cuda(layout):
+    target = target_of(torch.device("cuda"))
+    for M, N, K in [(1, 333, 4095), (129, 4097, 256)]:
+        problem = GEMM.Problem(M, N, K, "bfloat16", layout, "bfloat16")
+        kernel = dispatch.compile_kernel(GEMM, problem, GEMM.default_config(problem, target),
+                                         target)
+        a, b, _ = GEMM.make_inputs(problem, torch.device("cuda"), seed=3)
+        c = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+        kernel(a, b.t() if layout == "nk" else b, c)
+        assert not torch.isnan(c).any()
+        assert rel_error(c, GEMM.reference((a, b))) < 1e-2
+
+
+def test_dynamic_m_does_not_recompile_cuda():
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    before = len(dispatch._kernels)
+    for M in (1000, 600, 999, 513):  # all in the 1024 bucket
+        tileops.gemm(torch.randn(M, 4096, device="cuda", dtype=torch.bfloat16), w.t())
+    assert len(dispatch._kernels) == before + 1
+
+
+def test_out_dtype_float32_cuda():
+    a = torch.randn(64, 512, device="cuda", dtype=torch.float16)
+    w = torch.randn(256, 512, device="cuda", dtype=torch.float16)
+    out = tileops.gemm(a, w.t(), out_dtype=torch.float32)
+    assert out.dtype == torch.float32 and rel_error(out, a.double() @ w.double().t()) < 1e-3
+
+
+def test_cuda_errors():
+    a = torch.randn(4, 8, device="cuda", dtype=torch.float32)
+    with pytest.raises(TypeError, match="float32 is not supported"):
+        tileops.gemm(a, a.t())
+    with pytest.raises(ValueError, match="cuda"):
+        tileops.gemm(a.half(), torch.randn(8, 4, dtype=torch.float16))
