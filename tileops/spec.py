@@ -122,8 +122,13 @@ class OpSpec(abc.ABC):
                      if f not in self.bucketed)
 
     @abc.abstractmethod
-    def launch(self, kernel: Callable, args: tuple) -> torch.Tensor:
-        """Run a compiled kernel on the arguments `prepare` produced; return the output."""
+    def launch(self, kernel: Callable, args: tuple, out: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """Run a compiled kernel on the arguments `prepare` produced; return the output.
+
+        `out`, when given, is the output buffer to write (shaped like `launch_baseline`'s result);
+        the tuner passes a NaN-filled one so that elements a kernel never writes fail its check.
+        """
 
     @abc.abstractmethod
     def launch_baseline(self, args: tuple) -> torch.Tensor:

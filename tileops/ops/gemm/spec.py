@@ -143,10 +143,10 @@ class GemmSpec(OpSpec):
             return kernels.cpu_program(N, K, dtype, out_dtype, trans_b, **config)
         return kernels.gpu_program(N, K, dtype, out_dtype, trans_b, **config)
 
-    def launch(self, kernel, args: tuple) -> torch.Tensor:
+    def launch(self, kernel, args: tuple, out: torch.Tensor | None = None) -> torch.Tensor:
         a, b, trans_b, out_dtype = args
-        c = torch.empty((a.shape[0], b.shape[0] if trans_b else b.shape[1]), dtype=out_dtype,
-                        device=a.device)
+        c = out if out is not None else torch.empty(
+            (a.shape[0], b.shape[0] if trans_b else b.shape[1]), dtype=out_dtype, device=a.device)
         if a.device.type == "cpu":
             kernel(_bits(a), _bits(b), _bits(c))
         else:
