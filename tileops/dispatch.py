@@ -8,6 +8,7 @@ config); TileLang's disk cache (`TILELANG_CACHE_DIR`) makes a new process's firs
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import warnings
@@ -35,7 +36,8 @@ def compile_kernel(spec: OpSpec, problem: tuple, config: Config, target: Target)
         with _lock:
             kernel = _kernels.get(key)
             if kernel is None:
-                kernel = _compile(spec.build(problem, config, target), target)
+                kernel = spec.adapt(_compile(spec.build(problem, config, target), target),
+                                    target)
                 _kernels[key] = kernel
     return kernel
 
@@ -85,11 +87,7 @@ class Dispatcher:
             launcher: Launcher = spec.launch_baseline
         else:
             kernel = self._compile_choice(spec, target, problem, choice)
-            launch = spec.launch
-
-            def launcher(args: tuple) -> torch.Tensor:
-                return launch(kernel, args)
-
+            launcher = functools.partial(spec.launch, kernel)
         log.debug("%s %s on %s: %s config %s", spec.name, spec.problem_label(problem),
                   target.describe(), choice.source, choice.config)
         self._launchers[(spec.name, device, problem)] = launcher

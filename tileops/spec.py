@@ -121,6 +121,10 @@ class OpSpec(abc.ABC):
         return tuple(v for f, v in zip(self.Problem._fields, problem, strict=True)
                      if f not in self.bucketed)
 
+    def adapt(self, kernel: Any, target: Target) -> Callable:
+        """Wrap a freshly compiled kernel for a target whose calling convention needs it."""
+        return kernel
+
     @abc.abstractmethod
     def launch(self, kernel: Callable, args: tuple, out: torch.Tensor | None = None
                ) -> torch.Tensor:

@@ -22,6 +22,7 @@ _NAMES = {v: k for k, v in DTYPES.items()}
 _SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # What each device type's kernels take as inputs.
 SUPPORTED = {"cuda": ("float16", "bfloat16"), "cpu": ("float32", "float16", "bfloat16")}
+_ACCEPTED = {(DTYPES[name], kind == "cuda") for kind, names in SUPPORTED.items() for name in names}
 # Shared memory a block may use, by CUDA arch family (bytes).
 _SMEM_LIMIT = {"sm_90": 227 * 1024, "sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024}
 
@@ -50,6 +51,35 @@ class GemmSpec(OpSpec):
     # ---- problems -------------------------------------------------------------------------------
     def prepare(self, a: torch.Tensor, b: torch.Tensor,
                 out_dtype: torch.dtype | None = None) -> Call:
+        # The warm path of every call: as few tensor attribute reads as possible. Anything off
+        # goes to `_refuse`, which finds the precise error.
+        try:
+            (M, K), (K2, N) = a.shape, b.shape
+            dtype = a.dtype
+            ok = (dtype is b.dtype and K == K2 and M and N and K
+                  and (dtype, a.is_cuda) in _ACCEPTED and a.device == b.device
+                  and (out_dtype is None or out_dtype in _NAMES))
+        except (AttributeError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            self._refuse(a, b, out_dtype)
+        if not a.is_contiguous():
+            a = a.contiguous()
+        sb0, sb1 = b.stride()
+        if sb1 == 1 and (sb0 == N or K == 1):
+            layout = "kn"
+        elif sb0 == 1 and (sb1 == K or N == 1):  # w.t() of an (N, K) weight: use the weight
+            layout, b = "nk", b.t()
+        else:
+            layout, b = "kn", b.contiguous()
+        out_dtype = out_dtype or dtype
+        # pow2_bucket(M), inlined: this line runs on every call.
+        problem = GemmProblem(1 << (M - 1).bit_length(), N, K, _NAMES[dtype], layout,
+                              _NAMES[out_dtype])
+        return Call(a.device, problem, (a, b, layout == "nk", out_dtype))
+
+    def _refuse(self, a: Any, b: Any, out_dtype: Any) -> None:
+        """Raise the clear error for a call that `prepare`'s fast checks rejected."""
         if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
             raise TypeError(f"gemm expects two tensors, got {type(a).__name__} and "
                             f"{type(b).__name__}")
@@ -61,33 +91,17 @@ class GemmSpec(OpSpec):
         if a.dtype != b.dtype:
             raise TypeError(f"gemm: a is {_name(a.dtype)} but b is {_name(b.dtype)}; "
                             "both must have the same dtype")
-        dtype = _name(a.dtype)
-        allowed = SUPPORTED.get("cuda" if a.device.type == "cuda" else a.device.type)
-        if allowed is None:
-            raise ValueError(f"gemm: tensors on {a.device.type} are not supported "
-                             f"(supported: {', '.join(SUPPORTED)})")
-        if dtype not in allowed:
-            raise TypeError(f"gemm on {a.device.type}: dtype {dtype} is not supported "
-                            f"(allowed: {', '.join(allowed)})")
-        M, K = a.shape
-        K2, N = b.shape
+        kind = "cuda" if a.is_cuda else "cpu"
+        if _name(a.dtype) not in SUPPORTED[kind]:
+            raise TypeError(f"gemm on {kind}: dtype {_name(a.dtype)} is not supported "
+                            f"(allowed: {', '.join(SUPPORTED[kind])})")
+        (M, K), (K2, N) = a.shape, b.shape
         if K != K2:
             raise ValueError(f"gemm: inner dimensions differ: a is {M}x{K}, b is {K2}x{N}")
         if M == 0 or N == 0 or K == 0:
             raise ValueError(f"gemm: empty operand (M={M}, N={N}, K={K}); all sizes must be >= 1")
-        out = dtype if out_dtype is None else _name(out_dtype)
-        if out not in DTYPES:
-            raise TypeError(f"gemm: out_dtype {out} is not supported (allowed: {', '.join(DTYPES)})")
-        if not a.is_contiguous():
-            a = a.contiguous()
-        if b.is_contiguous():
-            layout = "kn"
-        elif b.t().is_contiguous():  # w.t() of an (N, K) weight: use the weight itself
-            layout, b = "nk", b.t()
-        else:
-            layout, b = "kn", b.contiguous()
-        problem = GemmProblem(pow2_bucket(M), N, K, dtype, layout, out)
-        return Call(a.device, problem, (a, b, layout == "nk", DTYPES[out]))
+        raise TypeError(f"gemm: out_dtype {out_dtype} is not supported "
+                        f"(allowed: {', '.join(DTYPES)})")
 
     def parse_problem(self, text: str, dtype: str) -> GemmProblem:
         match = re.fullmatch(r"\s*(\d+)x(\d+)x(\d+)(?::(kn|nk))?\s*", text)
@@ -143,14 +157,14 @@ class GemmSpec(OpSpec):
             return kernels.cpu_program(N, K, dtype, out_dtype, trans_b, **config)
         return kernels.gpu_program(N, K, dtype, out_dtype, trans_b, **config)
 
+    def adapt(self, kernel: Any, target: Target) -> Any:
+        return _BitsAdapter(kernel) if target.kind == "cpu" else kernel
+
     def launch(self, kernel, args: tuple, out: torch.Tensor | None = None) -> torch.Tensor:
         a, b, trans_b, out_dtype = args
         c = out if out is not None else torch.empty(
             (a.shape[0], b.shape[0] if trans_b else b.shape[1]), dtype=out_dtype, device=a.device)
-        if a.device.type == "cpu":
-            kernel(_bits(a), _bits(b), _bits(c))
-        else:
-            kernel(a, b, c)
+        kernel(a, b, c)
         return c
 
     def launch_baseline(self, args: tuple) -> torch.Tensor:
@@ -187,9 +201,14 @@ class GemmSpec(OpSpec):
         return 1e-2 if low & {problem.dtype, problem.out_dtype} else 1e-5
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """bf16 tensors cross into the CPU program as their uint16 bit patterns."""
-    return t.view(torch.uint16) if t.dtype is torch.bfloat16 else t
+class _BitsAdapter:
+    """The CPU program takes bf16 tensors as their uint16 bit patterns (C has no bf16 type)."""
+
+    def __init__(self, kernel: Any):
+        self.kernel = kernel
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        self.kernel(*(t.view(torch.uint16) if t.dtype is torch.bfloat16 else t for t in tensors))
 
 
 GEMM = GemmSpec()
