@@ -1,0 +1,5 @@
+"""`python -m tuner ...` is the `tileops` command."""
+
+from .cli import tileops_main
+
+raise SystemExit(tileops_main())

@@ -1,0 +1,113 @@
+"""Timers: median latency of a launch, measured the same way for candidates and the baseline.
+
+GPUs (CUDA and ROCm through torch.cuda): CUDA events around each launch after warm-up, with the L2
+cache flushed (a buffer twice its size zeroed) before every timed launch, so small problems are
+not flattered by data left in the cache; the median of many repeats. Other devices: wall-clock
+`perf_counter` around each synchronised launch, median of repeats. The number of repeats adapts to
+the launch's duration within a time budget.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# Seconds of timed launches per measurement, and bounds on the repeat count.
+BUDGET_S = {"gpu": 0.15, "host": 0.25}
+REPEATS = {"gpu": (20, 400), "host": (5, 100)}
+WARMUP = 3
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Summary of the per-launch latencies of one measurement, in microseconds."""
+
+    median_us: float
+    q25_us: float
+    q75_us: float
+    n: int
+
+    @classmethod
+    def of(cls, samples_us: list[float]) -> Stats:
+        if len(samples_us) < 2:
+            v = samples_us[0]
+            return cls(v, v, v, len(samples_us))
+        q = statistics.quantiles(samples_us, n=4)
+        return cls(statistics.median(samples_us), q[0], q[2], len(samples_us))
+
+
+class Timer:
+    """Measures launches on one device."""
+
+    def __init__(self, device: torch.device, budget_s: float | None = None):
+        self.device = device
+        self.gpu = device.type == "cuda"
+        kind = "gpu" if self.gpu else "host"
+        self.budget_s = BUDGET_S[kind] if budget_s is None else budget_s
+        self.min_repeats, self.max_repeats = REPEATS[kind]
+        self._flush: torch.Tensor | None = None
+
+    def samples(self, launch: Callable[[], Any]) -> list[float]:
+        """Per-launch latencies (us) of `launch` after warm-up."""
+        estimate = self._warm_up(launch)
+        n = int(min(self.max_repeats, max(self.min_repeats, self.budget_s * 1e6 / estimate)))
+        return self._gpu_samples(launch, n) if self.gpu else self._host_samples(launch, n)
+
+    def measure(self, launch: Callable[[], Any]) -> Stats:
+        return Stats.of(self.samples(launch))
+
+    def _warm_up(self, launch: Callable[[], Any]) -> float:
+        """Run a few launches; the mean latency (us) estimates what one timed launch costs."""
+        launch()
+        self.synchronize()
+        start = time.perf_counter()
+        for _ in range(WARMUP):
+            launch()
+        self.synchronize()
+        return max((time.perf_counter() - start) * 1e6 / WARMUP, 1.0)
+
+    def _host_samples(self, launch: Callable[[], Any], n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            start = time.perf_counter()
+            launch()
+            self.synchronize()
+            out.append((time.perf_counter() - start) * 1e6)
+        return out
+
+    def _gpu_samples(self, launch: Callable[[], Any], n: int) -> list[float]:
+        flush = self._flush_buffer()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        for start, end in zip(starts, ends, strict=True):
+            flush.zero_()
+            start.record()
+            launch()
+            end.record()
+        torch.cuda.synchronize(self.device)
+        return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends, strict=True)]
+
+    def _flush_buffer(self) -> torch.Tensor:
+        if self._flush is None:
+            props = torch.cuda.get_device_properties(self.device)
+            l2 = getattr(props, "L2_cache_size", 0) or 64 * 2**20
+            self._flush = torch.empty(2 * l2 // 4, dtype=torch.int32, device=self.device)
+        return self._flush
+
+    def synchronize(self) -> None:
+        synchronize(self.device)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+    elif device.type == "npu":
+        torch.npu.synchronize()  # type: ignore[attr-defined]
