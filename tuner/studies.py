@@ -1,0 +1,256 @@
+"""Optuna studies: where they are stored, what they are called, and what their trials say.
+
+One study per (operator, target, problem, search space), in a storage that several workers may
+share: a journal file (the default, next to the tuning database; safe for processes on one
+machine) or an RDB URL (`sqlite:///...` on one machine, `postgresql://...` across hosts).
+
+Trial states, chosen so that samplers learn the right thing:
+- COMPLETE: the candidate passed its check; the value is its median latency (us).
+- PRUNED: the candidate cannot win: refused by `spec.check_config` (no compile), failed to
+  compile, gave wrong output, crashed or hung. TPE ranks pruned trials below every complete one,
+  so it learns to avoid such regions (it ignores FAIL trials entirely).
+- FAIL: not evaluated (interrupted, or a repeat of a configuration still in flight). An
+  interrupted candidate's configuration is enqueued again, so a resumed sweep still evaluates it.
+User attributes record why (`failure`, `reason`), who ran it (`owner`) and whether it counts toward
+the trial budget (`counted`: a compile was attempted). A configuration already evaluated in the
+study is answered from the earlier trial (`repeat_of`) without compiling and is not counted.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import logging
+import math
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.samplers import BaseSampler, GridSampler, RandomSampler, TPESampler
+from optuna.storages import BaseStorage, JournalStorage, RDBStorage
+from optuna.storages.journal import JournalFileBackend
+from optuna.trial import FrozenTrial, Trial, TrialState
+
+from tileops.db.storage import canonical
+from tileops.spec import Config
+
+from .errors import UsageError
+
+log = logging.getLogger("tuner")
+
+SAMPLERS = ("tpe", "random", "grid")
+Space = dict[str, list[Any]]
+
+OWNER, CANDIDATE, COUNTED = "owner", "candidate", "counted"
+FAILURE, REASON, REPEAT_OF, ERROR = "failure", "reason", "repeat_of", "rel_error"
+# A running trial of another host is presumed dead after this long.
+STALE_AFTER = dt.timedelta(hours=6)
+# A running trial without an owner (its worker died right after asking for it), after this long.
+ORPHAN_AFTER = dt.timedelta(minutes=1)
+
+
+def default_storage(db: Path) -> str:
+    """The journal file beside a tuning database: `<db stem>.optuna.journal`."""
+    return f"journal:{db.with_name(db.stem + '.optuna.journal')}"
+
+
+def open_storage(url: str) -> BaseStorage:
+    """An Optuna storage from a URL (`scheme://...`: RDB) or a journal file (`journal:PATH`/PATH)."""
+    try:
+        if "://" in url:
+            kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
+            return RDBStorage(url, engine_kwargs=kwargs)
+        path = Path(url.removeprefix("journal:")).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return JournalStorage(JournalFileBackend(str(path)))
+    except (OSError, ValueError, ImportError, optuna.exceptions.StorageInternalError) as e:
+        raise UsageError(f"cannot open the Optuna storage {url!r}: {e}") from None
+
+
+def space_hash(space: Space) -> str:
+    """Hash of a search space, as `OpSpec.space_hash` computes it for the spec's own space."""
+    return hashlib.sha256(json.dumps(space, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def study_name(prefix: str, op: str, target_key: tuple[str, str, str], problem: dict[str, Any],
+               space: Space) -> str:
+    kind, arch, device = target_key
+    return f"{prefix}:{op}:{kind}:{arch}:{device}:{canonical(problem)}:{space_hash(space)}"
+
+
+def open_study(storage: BaseStorage, name: str, sampler: BaseSampler) -> optuna.Study:
+    return optuna.create_study(study_name=name, storage=storage, sampler=sampler,
+                               direction="minimize", load_if_exists=True)
+
+
+class _Grid(GridSampler):
+    """Optuna's grid sampler; the search loop, not the sampler, decides when the grid is done
+    (`Study.stop`, which the stock sampler calls, only works inside `Study.optimize`)."""
+
+    def after_trial(self, study: optuna.Study, trial: FrozenTrial, state: TrialState,
+                    values: Any) -> None:
+        return None
+
+
+def make_sampler(name: str, space: Space, seed: int) -> BaseSampler:
+    if name == "tpe":
+        return TPESampler(multivariate=True, constant_liar=True, seed=seed)
+    if name == "random":
+        return RandomSampler(seed=seed)
+    if name == "grid":
+        return _Grid(space, seed=seed)
+    raise UsageError(f"unknown sampler {name!r}; expected one of {', '.join(SAMPLERS)}")
+
+
+def grid_size(space: Space) -> int:
+    return math.prod(len(v) for v in space.values())
+
+
+def suggest(trial: Trial, space: Space) -> Config:
+    return {name: trial.suggest_categorical(name, choices) for name, choices in space.items()}
+
+
+def in_space(config: Config, space: Space) -> bool:
+    return set(config) == set(space) and all(config[k] in space[k] for k in space)
+
+
+def owner_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+# ---- reading a study ----------------------------------------------------------------------------
+@dataclass
+class Ledger:
+    """A study's trials, summarised: the budget count, the configurations seen, the best."""
+
+    counted: int = 0  # trials that compiled a candidate: what --trials counts
+    failed: int = 0  # counted trials that failed (compile, wrong output, crash, hang)
+    skipped: int = 0  # configurations refused by check_config (no compile)
+    running: int = 0  # candidates in flight, any worker
+    finished: dict[str, FrozenTrial] = field(default_factory=dict)  # config -> first verdict
+    in_flight: set[str] = field(default_factory=set)
+    best: FrozenTrial | None = None
+
+    @property
+    def seen(self) -> int:
+        return len(self.finished.keys() | self.in_flight)
+
+    def complete(self) -> list[FrozenTrial]:
+        """Trials with a latency, fastest first, one per configuration."""
+        trials = [t for t in self.finished.values() if t.state == TrialState.COMPLETE]
+        return sorted(trials, key=lambda t: (t.value, canonical(t.params)))
+
+
+def read_ledger(study: optuna.Study) -> Ledger:
+    ledger = Ledger()
+    now = dt.datetime.now()
+    for t in study.get_trials(deepcopy=False):
+        attrs = t.user_attrs
+        if t.state == TrialState.RUNNING:
+            if attrs.get(CANDIDATE) and not _presumed_dead(t, now):
+                ledger.running += 1
+                ledger.in_flight.add(canonical(t.params))
+            continue
+        if t.state not in (TrialState.COMPLETE, TrialState.PRUNED) or REPEAT_OF in attrs:
+            continue
+        ledger.finished.setdefault(canonical(t.params), t)
+        if attrs.get(COUNTED):
+            ledger.counted += 1
+            ledger.failed += t.state == TrialState.PRUNED
+        else:
+            ledger.skipped += 1
+        if t.state == TrialState.COMPLETE and (ledger.best is None or t.value < ledger.best.value):
+            ledger.best = t
+    return ledger
+
+
+# ---- writing trials -----------------------------------------------------------------------------
+def ask(study: optuna.Study, space: Space) -> tuple[Trial, Config]:
+    trial = study.ask()
+    trial.set_user_attr(OWNER, owner_id())
+    return trial, suggest(trial, space)
+
+
+def tell_value(study: optuna.Study, trial: Trial, value: float, **attrs: Any) -> None:
+    _tell(study, trial, TrialState.COMPLETE, value, attrs)
+
+
+def tell_failure(study: optuna.Study, trial: Trial, failure: str, reason: str,
+                 **attrs: Any) -> None:
+    _tell(study, trial, TrialState.PRUNED, None, {FAILURE: failure, REASON: reason, **attrs})
+
+
+def tell_repeat(study: optuna.Study, trial: Trial, earlier: FrozenTrial) -> None:
+    """Answer a configuration already evaluated with the earlier trial's verdict."""
+    attrs = {k: v for k, v in earlier.user_attrs.items() if k in (FAILURE, REASON, ERROR)}
+    _tell(study, trial, earlier.state, earlier.value, {**attrs, REPEAT_OF: earlier.number})
+
+
+def release(study: optuna.Study, trial: Trial | FrozenTrial, reason: str,
+            requeue: bool = True) -> None:
+    """Give back a trial that was not evaluated (FAIL); enqueue its configuration again."""
+    params = trial.params
+    if _tell(study, trial, TrialState.FAIL, None, {REASON: reason}) and requeue and params:
+        study.enqueue_trial(params, user_attrs={REASON: f"re-queued ({reason})"})
+
+
+def repeat_in_flight(study: optuna.Study, trial: Trial) -> None:
+    _tell(study, trial, TrialState.FAIL, None, {REASON: "repeat of a configuration in flight"})
+
+
+def _tell(study: optuna.Study, trial: Trial | FrozenTrial, state: TrialState,
+          value: float | None, attrs: dict[str, Any]) -> bool:
+    try:
+        for k, v in attrs.items():
+            study._storage.set_trial_user_attr(trial._trial_id, k, v)
+        study.tell(trial.number, value if state == TrialState.COMPLETE else None, state=state)
+        return True
+    except (RuntimeError, ValueError) as e:  # finished meanwhile (e.g. reaped by another worker)
+        log.warning("trial %d of %s could not be updated: %s", trial.number, study.study_name, e)
+        return False
+
+
+def reap_interrupted(study: optuna.Study, space: Space) -> int:
+    """Fail (and re-queue) running trials whose worker is gone: killed, or crashed."""
+    host = socket.gethostname()
+    now = dt.datetime.now()
+    reaped = 0
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        owner = t.user_attrs.get(OWNER, "")
+        owner_host, _, pid = owner.rpartition(":")
+        local_dead = owner_host == host and pid.isdigit() and not _pid_alive(int(pid))
+        orphan = not owner and now - (t.datetime_start or now) > ORPHAN_AFTER
+        if orphan or local_dead or _presumed_dead(t, now):
+            release(study, t, "interrupted", requeue=in_space(t.params, space))
+            reaped += 1
+    return reaped
+
+
+def _presumed_dead(trial: FrozenTrial, now: dt.datetime) -> bool:
+    return trial.datetime_start is not None and now - trial.datetime_start > STALE_AFTER
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # a trial of ours still running at start-up is left over from a crash
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def warm_start(study: optuna.Study, configs: list[tuple[Config, str]], space: Space) -> int:
+    """Enqueue configurations (each with where it came from) unless the study has them."""
+    n = 0
+    for config, source in configs:
+        if in_space(config, space):
+            study.enqueue_trial(config, user_attrs={"warm_start": source}, skip_if_exists=True)
+            n += 1
+    return n
