@@ -1,0 +1,402 @@
+"""The `tileops-tune` and `tileops` commands.
+
+    tileops-tune --device auto --op OP (--suite NAME | --problems FILE | --shape TEXT ...) [...]
+    tileops tune ...                          (the same)
+    tileops db summary|show|export|merge|verify [...]
+
+Mistakes in what was asked for (unknown operator, target or suite, unreadable database, bad
+problem text) end with one line on stderr and exit code 2; Ctrl-C (or SIGTERM) leaves the studies
+and the database consistent and exits with 130: run the same command again to resume.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import signal
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import optuna
+import torch
+
+from tileops.db import DatabaseError, TuningDB, default_user_db
+from tileops.db.storage import canonical
+from tileops.ops import SPECS, get_spec
+from tileops.spec import OpSpec
+from tileops.target import Target, parse_override, resolve_device
+
+from . import dbtools, studies, suites, sweep
+from .errors import UsageError
+from .progress import Progress, table
+
+log = logging.getLogger("tuner")
+
+
+# ---- tune ---------------------------------------------------------------------------------------
+def add_tune_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--op", help=f"operator to tune ({', '.join(SPECS)}); implied by --suite")
+    p.add_argument("--device", default="auto",
+                   help="auto (first GPU, else the CPU), cpu, cuda[:N], hip, metal, or a TileLang "
+                        'target dict such as \'{"kind": "cuda", "arch": "sm_90a"}\'')
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--suite", help="workload suite configs/suites/NAME.toml (or a .toml path)")
+    src.add_argument("--problems", metavar="FILE",
+                     help="file with one problem per line ('TEXT [DTYPE]', # comments)")
+    src.add_argument("--shape", action="append", metavar="TEXT",
+                     help="a problem in the operator's syntax (GEMM: MxNxK[:nk|:kn]); repeatable")
+    p.add_argument("--dtype", help="comma-separated dtypes (default: the suite's, else bfloat16)")
+    p.add_argument("--trials", type=_positive(int), default=32,
+                   help="compiled configurations per problem, counting earlier runs (default 32)")
+    p.add_argument("--timeout", type=_positive(float), metavar="S",
+                   help="seconds of search per problem")
+    p.add_argument("--db", type=Path, help="tuning database to record into (default: the user "
+                                           "database, $TILEOPS_USER_DB or ~/.cache/tileops)")
+    p.add_argument("--storage", help="Optuna storage: a journal file path, or an RDB URL such as "
+                                     "sqlite:///f.db or postgresql://host/db (default: "
+                                     "<db>.optuna.journal beside the database)")
+    p.add_argument("--workers", type=_positive(int), default=1,
+                   help="worker processes sharing the studies: on CUDA worker i runs on cuda:i")
+    p.add_argument("--jobs", type=_positive(int), help="compile processes (default: all cores)")
+    p.add_argument("--sampler", choices=studies.SAMPLERS, default="tpe",
+                   help="tpe (multivariate, default), random, or grid (exhaustive)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--space", metavar="JSON",
+                   help='restrict the search space, e.g. \'{"block_M": [16, 64]}\'')
+    p.add_argument("--trial-timeout", type=_positive(float), default=300.0, metavar="S",
+                   help="time limit of one compile and of one measurement (default 300)")
+    p.add_argument("--retime-top", type=_positive(int), default=4, metavar="K",
+                   help="re-time the K fastest configurations before recording (default 4)")
+    p.add_argument("--no-warm-start", action="store_true",
+                   help="do not enqueue the default and the nearest tuned problems' winners")
+    p.add_argument("--dry-run", action="store_true",
+                   help="list the configurations that pass the constraint checks; compile nothing")
+    p.add_argument("--quiet", action="store_true", help="no progress lines or summary")
+
+
+def tune(args: argparse.Namespace) -> int:
+    spec, problems = _problems(args)
+    target, devices = _devices(args.device, args.workers, dry_run=args.dry_run)
+    space = _space(spec, target, args.space)
+    db = (args.db or default_user_db()).expanduser()
+    plan = sweep.Plan(
+        spec=spec, target=target, devices=devices, problems=problems, db=db,
+        storage=args.storage or studies.default_storage(db), sampler=args.sampler,
+        trials=args.trials, timeout=args.timeout, seed=args.seed,
+        trial_timeout=args.trial_timeout, retime_top=args.retime_top, space=space,
+        warm_start=not args.no_warm_start, quiet=args.quiet,
+        **({"jobs": args.jobs} if args.jobs else {}))
+    if args.dry_run:
+        print(dry_run(plan))
+        return 0
+    _check_writable(db)
+    log.info("tuning %d %s problem(s) on %s with %d worker(s); records go to %s, studies to %s",
+             len(problems), spec.name, target.describe(), len(devices), db, plan.storage)
+    results = sweep.run(plan, Progress(quiet=args.quiet))
+    if not args.quiet:
+        print(results_table(results))
+    return 0
+
+
+def dry_run(plan: sweep.Plan) -> str:
+    """The configurations each problem's search may compile (those passing `check_config`)."""
+    assert plan.space is not None
+    lines = []
+    for problem in plan.problems:
+        task = plan.task(problem)
+        valid = [c for c in _grid(plan.space)
+                 if plan.spec.check_config(problem, c, plan.target) is None]
+        lines.append(f"{task.label} on {plan.target.describe()}: {len(valid)} of "
+                     f"{studies.grid_size(plan.space)} configurations pass the checks; up to "
+                     f"{min(plan.trials, len(valid))} would be compiled ({plan.sampler})")
+        if plan.warm_start and plan.sampler != "grid":
+            for config, source in sweep.warm_start_configs(plan, problem):
+                lines.append(f"  warm start ({source}): {canonical(config)}")
+        lines += [f"  {canonical(c)}" for c in valid]
+    return "\n".join(lines)
+
+
+def results_table(results: list[sweep.Result]) -> str:
+    rows = []
+    for r in results:
+        d = r.decision
+        base = d.baseline_us if d else r.baseline_us
+        best = d.tile_us if d else (r.ledger.best.value if r.ledger.best else None)
+        rows.append([r.task.label, r.ledger.counted, r.ledger.failed, best, base,
+                     f"{base / best:.2f}x" if base and best else None,
+                     d.chosen if d else None, canonical(d.config) if d else r.note])
+    return table(["problem", "trials", "failed", "tile us", "baseline us", "speedup", "chosen",
+                  "config"], rows)
+
+
+def _problems(args: argparse.Namespace) -> tuple[OpSpec, list[tuple]]:
+    dtypes = [d.strip() for d in args.dtype.split(",")] if args.dtype else None
+    if args.suite:
+        suite = suites.load(args.suite, dtypes)
+        if args.op and args.op != suite.op:
+            raise UsageError(f"suite {suite.name!r} is for {suite.op!r}, not {args.op!r}")
+        spec, problems = get_spec(suite.op), suite.problems
+    else:
+        if not args.op:
+            raise UsageError(f"--op is required with --shape or --problems ({', '.join(SPECS)})")
+        spec = _spec(args.op)
+        dtypes = dtypes or ["bfloat16"]
+        problems = (suites.from_shapes(spec, args.shape, dtypes) if args.shape
+                    else suites.read_problems_file(spec, args.problems, dtypes))
+    if not problems:
+        raise UsageError("no problems to tune (check --dtype against the suite's dtypes)")
+    return spec, problems
+
+
+def _devices(text: str, workers: int, dry_run: bool = False) -> tuple[Target, list[str]]:
+    """The target and one torch device string per worker."""
+    try:
+        target, device = resolve_device(text)
+    except ValueError as e:
+        if dry_run and text.strip().startswith("{"):  # list configs for absent hardware
+            return _described_target(text), ["cpu"]
+        raise UsageError(str(e)) from None
+    if workers == 1:
+        return target, [str(device)]
+    if device.type == "cpu":
+        return target, ["cpu"] * workers
+    if device.type != "cuda":
+        raise UsageError(f"--workers {workers}: several workers need CUDA/ROCm GPUs or the CPU")
+    first = device.index or 0
+    if first + workers > torch.cuda.device_count():
+        raise UsageError(f"--workers {workers} from cuda:{first}: only "
+                         f"{torch.cuda.device_count()} GPU(s) visible")
+    names = [f"cuda:{first + i}" for i in range(workers)]
+    for name in names[1:]:
+        other, _ = resolve_device(name)
+        if other.key != target.key:
+            raise UsageError(f"--workers: {name} is {other.describe()}, not "
+                             f"{target.describe()}; workers must share one kind of device")
+    return target, names
+
+
+def _described_target(text: str) -> Target:
+    try:
+        raw = parse_override(text)
+        return Target(raw["kind"], raw.get("arch", ""), raw.get("device", "(not present)"),
+                      int(raw.get("units", 0)))
+    except (ValueError, KeyError) as e:
+        raise UsageError(f"--device {text}: {e}") from None
+
+
+def _space(spec: OpSpec, target: Target, text: str | None) -> studies.Space:
+    """The spec's space for the target, with the parameters given in `text` replaced."""
+    try:
+        space = spec.space(target)
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from None
+    if not text:
+        return space
+    try:
+        override = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--space is not valid JSON: {e}") from None
+    if not isinstance(override, dict):
+        raise UsageError("--space must be a JSON object of parameter -> list of values")
+    for name, values in override.items():
+        if name not in space:
+            raise UsageError(f"--space: unknown parameter {name!r}; the space has "
+                             f"{', '.join(space)}")
+        if not isinstance(values, list) or not values:
+            raise UsageError(f"--space: {name} must be a non-empty list")
+    return {**space, **override}
+
+
+def _grid(space: studies.Space) -> list[dict[str, Any]]:
+    keys = list(space)
+    return [dict(zip(keys, v, strict=True)) for v in itertools.product(*space.values())]
+
+
+def _check_writable(db: Path) -> None:
+    try:
+        TuningDB(db).close()
+    except DatabaseError as e:
+        raise UsageError(str(e)) from None
+
+
+def _spec(name: str) -> OpSpec:
+    try:
+        return get_spec(name)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+# ---- db -----------------------------------------------------------------------------------------
+def add_db_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="db_command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=description or help,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def db_option(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--db", type=Path, help="database (default: the user database)")
+
+    def filters(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--op", action="append", help="only this operator (repeatable)")
+        q.add_argument("--target", action="append", metavar="KIND[:ARCH]",
+                       help="only this target, e.g. cuda or cuda:sm_90a (repeatable)")
+        q.add_argument("--device", help="only devices whose name contains this")
+
+    q = command("summary", "records per operator and target, median speedup over the baseline")
+    db_option(q)
+    q.add_argument("--json", action="store_true")
+    q = command("show", "list records")
+    db_option(q)
+    filters(q)
+    q.add_argument("--json", action="store_true")
+    q = command("export", "copy chosen operators and targets into a standalone, compacted file")
+    q.add_argument("out", type=Path, help="new database file")
+    db_option(q)
+    filters(q)
+    q.add_argument("--include-stale", action="store_true",
+                   help="also copy records this installation does not trust")
+    q.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    q = command("merge", "merge the records of SRC into DST",
+                "merge the records of SRC into DST\n\n" + _merge_rule())
+    q.add_argument("src", type=Path)
+    q.add_argument("--into", type=Path, required=True, metavar="DST")
+    q = command("verify", "check schema, integrity, staleness and configurations")
+    db_option(q)
+    q.add_argument("--prune", action="store_true", help="delete the records with problems")
+
+
+def db(args: argparse.Namespace) -> int:
+    path = (getattr(args, "db", None) or default_user_db()).expanduser()
+    command = args.db_command
+    if command == "merge":
+        with dbtools.open_db(args.src) as src, _open_dst(args.into) as dst:
+            report = dbtools.merge(src, dst)
+        print(f"merged {args.src} into {args.into}: {report.added} added, {report.replaced} "
+              f"replaced, {report.kept} kept")
+        return 0
+    if command == "verify":
+        with dbtools.open_db(path, write=args.prune) as tdb:
+            version = tdb.schema_version()
+            issues = dbtools.verify(tdb)
+            if args.prune:
+                ids = {i.record_id for i in issues if i.record_id is not None}
+                if ids and tdb.readonly:
+                    raise UsageError(f"{path} is not writable; cannot prune")
+                pruned = tdb.delete(ids)
+        for issue in issues:
+            print(f"record {issue.record_id}: {issue.message}" if issue.record_id is not None
+                  else issue.message)
+        print(f"{path}: schema version {version}, {len(issues)} problem(s)"
+              + (f", {pruned} record(s) deleted" if args.prune else ""))
+        return 1 if issues and not args.prune else 0
+    with dbtools.open_db(path) as tdb:
+        records = tdb.records()
+    if command == "summary":
+        rows = dbtools.summary(records)
+        if args.json:
+            print(json.dumps(rows, indent=2))
+        else:
+            print(table(["op", "target", "device", "units", "records", "tile", "stale",
+                         "median speedup", "median tile speedup"],
+                        [list(r.values()) for r in rows]) if rows else f"{path}: no records")
+        return 0
+    chosen = dbtools.select(records, args.op, args.target, args.device)
+    if command == "show":
+        rows = dbtools.show_rows(chosen)
+        if args.json:
+            print(json.dumps(rows, indent=2))
+        else:
+            print(table(["id", "op", "problem", "target", "device", "chosen", "tile us",
+                         "baseline us", "trials", "config", "stale"],
+                        [[r["id"], r["op"], canonical(r["problem"]),
+                          f"{r['target_kind']}:{r['arch']}", r["device"], r["chosen"],
+                          r["tile_us"], r["baseline_us"], r["trials"], canonical(r["config"]),
+                          r["stale"]] for r in rows]))
+        return 0
+    if not args.include_stale:
+        chosen = [r for r in chosen if dbtools.freshness(r) is None]
+    n = dbtools.export(chosen, args.out, force=args.force)
+    print(f"exported {n} record(s) from {path} to {args.out}")
+    return 0
+
+
+def _open_dst(path: Path) -> TuningDB:
+    try:
+        return TuningDB(path.expanduser())
+    except DatabaseError as e:
+        raise UsageError(str(e)) from None
+
+
+def _merge_rule() -> str:
+    doc = dbtools.__doc__ or ""
+    return doc[doc.index("Merge rule"):].strip()
+
+
+# ---- entry points -------------------------------------------------------------------------------
+def tune_main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tileops-tune", description=(
+        "Search each problem's configuration space with Optuna and record the winners."))
+    add_tune_arguments(parser)
+    return _run(tune, parser.parse_args(argv), parser.prog)
+
+
+def tileops_main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tileops", description="tileops tuning and databases")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_tune_arguments(sub.add_parser("tune", help="tune operators (same as tileops-tune)"))
+    add_db_arguments(sub.add_parser("db", help="inspect, ship and check tuning databases"))
+    args = parser.parse_args(argv)
+    return _run(tune if args.command == "tune" else db, args, parser.prog)
+
+
+def _run(command: Callable[[argparse.Namespace], int], args: argparse.Namespace,
+         prog: str) -> int:
+    _configure_logging(getattr(args, "quiet", False))
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return command(args)
+    except (UsageError, DatabaseError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\n{prog}: interrupted; finished trials are kept, run the same command again to "
+              "resume", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _configure_logging(quiet: bool) -> None:
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        log.addHandler(handler)
+        log.propagate = False
+    log.setLevel(logging.WARNING if quiet else logging.INFO)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+
+
+if __name__ == "__main__":
+    raise SystemExit(tileops_main())

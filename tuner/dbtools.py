@@ -1,0 +1,204 @@
+"""Tuning database maintenance: summary, show, export, merge and verify.
+
+Merge rule (`tileops db merge SRC --into DST`), for each record of SRC against DST's record with
+the same key (operator, problem, target kind, arch, device name):
+1. DST has none: SRC's record is added.
+2. A fresh record (one this installation trusts: same TileLang version and kernel source, see
+   `tileops.db.layers.stale_reason`) beats a stale one; a record of an operator this installation
+   does not know counts as stale.
+3. Both fresh, or both stale: when both were measured on the same device (the key already fixes
+   the device name and arch; the unit count, SMs/CUs/cores, must match too), the lower latency of
+   what dispatch runs (`latency_us`: the tile kernel's, or the baseline's when chosen) wins.
+   Otherwise the newer record wins. An exact tie keeps DST's record.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tileops.db.layers import stale_reason
+from tileops.db.models import Record
+from tileops.db.storage import KEY_FIELDS, DatabaseError, TuningDB, record_dict
+from tileops.ops import SPECS
+from tileops.target import KINDS, Target
+
+from .errors import UsageError
+
+
+def open_db(path: Path, *, write: bool = False) -> TuningDB:
+    """An existing database (never created here): writable when asked and allowed."""
+    if not path.is_file():
+        raise UsageError(f"tuning database {path} does not exist")
+    try:
+        return TuningDB(path, readonly=not (write and os.access(path, os.W_OK)))
+    except DatabaseError as e:
+        raise UsageError(str(e)) from None
+
+
+def freshness(record: Record) -> str | None:
+    """Why a record is stale for this installation (None: fresh)."""
+    spec = SPECS.get(record.op)
+    if spec is None:
+        return f"unknown operator {record.op!r}"
+    return stale_reason(spec, record)
+
+
+# ---- summary / show -----------------------------------------------------------------------------
+def summary(records: Iterable[Record]) -> list[dict[str, Any]]:
+    """Per operator and target: record count, device, median speedups over the stored baseline."""
+    groups: dict[tuple, list[Record]] = defaultdict(list)
+    for r in records:
+        groups[(r.op, r.target_kind, r.arch, r.device)].append(r)
+    rows = []
+    for (op, kind, arch, device), rs in sorted(groups.items()):
+        timed = [r for r in rs if r.baseline_us]
+        rows.append({
+            "op": op, "target": f"{kind}:{arch}", "device": device,
+            "units": max(r.units for r in rs), "records": len(rs),
+            "tile_chosen": sum(r.chosen == "tile" for r in rs),
+            "stale": sum(freshness(r) is not None for r in rs),
+            "median_speedup": _median([r.baseline_us / r.latency_us for r in timed]),
+            "median_tile_speedup": _median([r.baseline_us / r.tile_us for r in timed]),
+        })
+    return rows
+
+
+def show_rows(records: Iterable[Record]) -> list[dict[str, Any]]:
+    rows = []
+    for r in records:
+        d = record_dict(r)
+        d["id"] = r.id
+        d["problem"] = json.loads(r.problem)
+        d["config"] = json.loads(r.config)
+        d["created_at"] = r.created_at.isoformat() if r.created_at else None
+        d["speedup"] = r.baseline_us / r.latency_us if r.baseline_us else None
+        d["stale"] = freshness(r)
+        rows.append(d)
+    return rows
+
+
+def select(records: Iterable[Record], ops: list[str] | None = None,
+           targets: list[str] | None = None, device: str | None = None) -> list[Record]:
+    """Records of the given operators, targets (`kind` or `kind:arch`) and device (substring)."""
+    def target_ok(r: Record) -> bool:
+        return not targets or any(t in (r.target_kind, f"{r.target_kind}:{r.arch}")
+                                  for t in targets)
+
+    return [r for r in records if (not ops or r.op in ops) and target_ok(r)
+            and (device is None or device.lower() in r.device.lower())]
+
+
+# ---- export / merge -----------------------------------------------------------------------------
+def export(records: list[Record], out: Path, force: bool = False) -> int:
+    """Write records into a new standalone database file, compacted (VACUUM) for shipping."""
+    if out.exists():
+        if not force:
+            raise UsageError(f"{out} exists; pass --force to replace it")
+        out.unlink()
+    try:
+        with TuningDB(out) as db:
+            db.put_many(record_dict(r) for r in records)
+            with db.engine.connect() as conn:
+                conn.exec_driver_sql("VACUUM")
+    except DatabaseError as e:
+        raise UsageError(str(e)) from None
+    return len(records)
+
+
+@dataclass
+class MergeReport:
+    added: int = 0
+    replaced: int = 0
+    kept: int = 0
+
+
+def merge_wins(new: Record, old: Record) -> bool:
+    """Whether `new` replaces `old` (same key) under the rule in this module's docstring."""
+    new_fresh, old_fresh = freshness(new) is None, freshness(old) is None
+    if new_fresh != old_fresh:
+        return new_fresh
+    if new.units == old.units:
+        return new.latency_us < old.latency_us
+    return (new.created_at or dt.datetime.min) > (old.created_at or dt.datetime.min)
+
+
+def merge(src: TuningDB, dst: TuningDB) -> MergeReport:
+    report = MergeReport()
+    existing = {_key(r): r for r in dst.records()}
+    updates = []
+    for r in src.records():
+        old = existing.get(_key(r))
+        if old is None:
+            report.added += 1
+        elif merge_wins(r, old):
+            report.replaced += 1
+        else:
+            report.kept += 1
+            continue
+        updates.append(record_dict(r))
+    dst.put_many(updates)
+    return report
+
+
+def _key(r: Record) -> tuple:
+    return tuple(getattr(r, k) for k in KEY_FIELDS)
+
+
+# ---- verify -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Issue:
+    record_id: int | None  # None: the file itself
+    message: str
+
+
+def verify(db: TuningDB) -> list[Issue]:
+    """Schema, SQLite integrity, stale records and configurations the spec refuses."""
+    issues = [Issue(None, f"integrity: {e}") for e in db.integrity_errors()]
+    try:
+        records = db.records()
+    except DatabaseError as e:
+        return [*issues, Issue(None, str(e))]
+    return issues + [Issue(r.id, m) for r in records for m in record_issues(r)]
+
+
+def record_issues(r: Record) -> list[str]:
+    label = f"{r.op} {r.problem} on {r.target_kind}:{r.arch} ({r.device})"
+    spec = SPECS.get(r.op)
+    if spec is None:
+        return [f"{label}: unknown operator {r.op!r}"]
+    out = []
+    reason = stale_reason(spec, r)
+    if reason:
+        out.append(f"{label}: stale ({reason})")
+    try:
+        problem = spec.problem_from_dict(json.loads(r.problem))
+        config = json.loads(r.config)
+    except (KeyError, TypeError, ValueError) as e:
+        return [*out, f"{label}: unreadable problem or config ({e})"]
+    if r.chosen not in ("tile", "baseline"):
+        out.append(f"{label}: chosen is {r.chosen!r}, expected 'tile' or 'baseline'")
+    if not (r.tile_us > 0):
+        out.append(f"{label}: tile_us {r.tile_us} is not a positive latency")
+    if r.target_kind not in KINDS:
+        return [*out, f"{label}: unknown target kind {r.target_kind!r}"]
+    target = Target(r.target_kind, r.arch, r.device, r.units)
+    expected = set(spec.default_config(problem, target))
+    if set(config) != expected:
+        out.append(f"{label}: config keys {sorted(config)} differ from {sorted(expected)}")
+    else:
+        refused = spec.check_config(problem, config, target)
+        if refused:
+            out.append(f"{label}: config {r.config} refused by check_config ({refused})")
+    return out
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
