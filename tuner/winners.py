@@ -19,12 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from tileops.db import provenance
 from tileops.db.layers import stale_reason
 from tileops.db.storage import TuningDB, canonical
 from tileops.spec import Config
-from tileops.version import __version__
 
 from . import studies
 from .evaluate import Measurement
@@ -84,18 +82,11 @@ def retime_top(session: Session, task: Task, ledger: Ledger, top: int, rounds: i
 
 
 def record_fields(task: Task, decision: Decision, trials: int) -> dict[str, Any]:
-    """The tuning record of a decision, with its provenance."""
-    import tilelang
-
-    spec, target = task.spec, task.target
-    return dict(
-        op=spec.name, problem=spec.problem_dict(task.problem), target_kind=target.kind,
-        arch=target.arch, device=target.device, units=target.units, chosen=decision.chosen,
-        config=decision.config, tile_us=decision.tile_us, baseline_us=decision.baseline_us,
-        tileops_version=__version__, tilelang_version=tilelang.__version__,
-        torch_version=torch.__version__,
-        toolkit_version=torch.version.cuda or getattr(torch.version, "hip", None) or "",
-        space_hash=studies.space_hash(task.space), kernel_hash=spec.kernel_hash(), trials=trials)
+    """The tuning record of a decision, with its provenance (the space is the one searched)."""
+    return {**provenance(task.spec, task.target), "problem": task.spec.problem_dict(task.problem),
+            "chosen": decision.chosen, "config": decision.config, "tile_us": decision.tile_us,
+            "baseline_us": decision.baseline_us, "space_hash": studies.space_hash(task.space),
+            "trials": trials}
 
 
 def already_recorded(db: Path, task: Task, trials: int) -> bool:
