@@ -153,10 +153,7 @@ def grid(space: dict[str, list]) -> list[dict[str, Any]]:
 def open_run(storage, task: Task, sampler: str, seed: int) -> optuna.Study:
     name = studies.study_name(f"efficiency/{sampler}/{seed}", task.spec.name, task.target.key,
                               task.spec.problem_dict(task.problem), task.space)
-    study = studies.open_study(storage, name, studies.make_sampler(sampler, task.space, seed))
-    if study.trials:  # resumed: a fresh seed, so the sampler does not replay its first proposals
-        study.sampler = studies.make_sampler(sampler, task.space, seed + len(study.trials))
-    return study
+    return studies.open_study(storage, name, sampler, task.space, seed)
 
 
 def run_result(study: optuna.Study, sampler: str, seed: int, budget: int) -> dict[str, Any]:

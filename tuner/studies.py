@@ -82,9 +82,20 @@ def study_name(prefix: str, op: str, target_key: tuple[str, str, str], problem: 
     return f"{prefix}:{op}:{kind}:{arch}:{device}:{canonical(problem)}:{space_hash(space)}"
 
 
-def open_study(storage: BaseStorage, name: str, sampler: BaseSampler) -> optuna.Study:
-    return optuna.create_study(study_name=name, storage=storage, sampler=sampler,
-                               direction="minimize", load_if_exists=True)
+def open_study(storage: BaseStorage, name: str, sampler: str, space: Space, seed: int = 0,
+               stream: int = 0) -> optuna.Study:
+    """Open (or create) a study with a sampler.
+
+    The grid keeps `seed` in every process and run: the grid's order, and so what its trials'
+    grid ids mean, depends on it. Other samplers draw from a stream of their own per worker
+    (`stream`) and per resumption (the trial count), so that workers and resumed runs propose
+    new configurations instead of replaying the first run's.
+    """
+    study = optuna.create_study(study_name=name, storage=storage, direction="minimize",
+                                sampler=make_sampler(sampler, space, seed), load_if_exists=True)
+    if sampler != "grid" and (stream or study.trials):
+        study.sampler = make_sampler(sampler, space, seed + 1000 * stream + len(study.trials))
+    return study
 
 
 class _Grid(GridSampler):
@@ -186,7 +197,8 @@ def tell_failure(study: optuna.Study, trial: Trial, failure: str, reason: str,
 
 def tell_repeat(study: optuna.Study, trial: Trial, earlier: FrozenTrial) -> None:
     """Answer a configuration already evaluated with the earlier trial's verdict."""
-    attrs = {k: v for k, v in earlier.user_attrs.items() if k in (FAILURE, REASON, ERROR)}
+    copied = (FAILURE, REASON, ERROR) if earlier.state == TrialState.PRUNED else (ERROR,)
+    attrs = {k: v for k, v in earlier.user_attrs.items() if k in copied}
     _tell(study, trial, earlier.state, earlier.value, {**attrs, REPEAT_OF: earlier.number})
 
 
@@ -195,7 +207,7 @@ def release(study: optuna.Study, trial: Trial | FrozenTrial, reason: str,
     """Give back a trial that was not evaluated (FAIL); enqueue its configuration again."""
     params = trial.params
     if _tell(study, trial, TrialState.FAIL, None, {REASON: reason}) and requeue and params:
-        study.enqueue_trial(params, user_attrs={REASON: f"re-queued ({reason})"})
+        study.enqueue_trial(params, user_attrs={"requeued_after": reason})
 
 
 def repeat_in_flight(study: optuna.Study, trial: Trial) -> None:

@@ -14,7 +14,7 @@ import logging
 import multiprocessing as mp
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import optuna
@@ -111,15 +111,10 @@ def _prepare(plan: Plan, storage: optuna.storages.BaseStorage, task: Task) -> op
     return study
 
 
-def _open(plan: Plan, storage: optuna.storages.BaseStorage, task: Task) -> optuna.Study:
-    """The problem's study, with a sampler seeded by the trial count: a resumed run proposes new
-    configurations instead of replaying the first run's."""
-    sampler = studies.make_sampler(plan.sampler, task.space, plan.seed)
-    study = studies.open_study(storage, plan.study_name(task.problem), sampler)
-    if study.trials:
-        study.sampler = studies.make_sampler(plan.sampler, task.space,
-                                             plan.seed + len(study.trials))
-    return study
+def _open(plan: Plan, storage: optuna.storages.BaseStorage, task: Task,
+          stream: int = 0) -> optuna.Study:
+    return studies.open_study(storage, plan.study_name(task.problem), plan.sampler, task.space,
+                              plan.seed, stream)
 
 
 def warm_start_configs(plan: Plan, problem: tuple) -> list[tuple[Config, str]]:
@@ -211,14 +206,13 @@ def _worker(plan: Plan, index: int, jobs: int) -> None:
     device = plan.devices[index]
     progress = Progress(quiet=plan.quiet, tty=False, prefix=f"[worker {index} {device}] ")
     storage = studies.open_storage(plan.storage)
-    plan = replace(plan, seed=plan.seed + 1000 * index)
     try:
         with Session(device, jobs, plan.trial_timeout) as session:
             for problem in plan.problems:
                 if _past_deadline(plan):
                     break
                 task = plan.task(problem, device)
-                study = _open(plan, storage, task)
+                study = _open(plan, storage, task, stream=index + 1)
                 search(session, study, task, _limits(plan), progress, jobs, plan.seed)
     except KeyboardInterrupt:
         raise SystemExit(130) from None

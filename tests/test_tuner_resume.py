@@ -1,0 +1,128 @@
+"""Sweeps that are interrupted and resumed, and workers that share one Optuna storage."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import optuna
+from optuna.trial import TrialState
+
+from tileops.db import TuningDB
+from tuner import studies
+from tuner.cli import tune_main
+
+SPACE = {"block_M": [16, 64], "block_N": [32, 64], "block_K": [64]}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def command(db: Path, *extra: str) -> list[str]:
+    return ["--device", "cpu", "--op", "gemm", "--shape", "64x128x128", "--dtype", "float32",
+            "--space", json.dumps(SPACE), "--db", str(db), "--quiet", *extra]
+
+
+def trials(db: Path) -> list[optuna.trial.FrozenTrial]:
+    storage = studies.open_storage(studies.default_storage(db))
+    names = optuna.get_all_study_names(storage)
+    if not names:
+        return []
+    return optuna.load_study(study_name=names[0], storage=storage).get_trials(deepcopy=False)
+
+
+def counted(db: Path) -> list[optuna.trial.FrozenTrial]:
+    return [t for t in trials(db) if t.user_attrs.get(studies.COUNTED)
+            and studies.REPEAT_OF not in t.user_attrs]
+
+
+def start(db: Path, *extra: str) -> subprocess.Popen:
+    args = [sys.executable, "-m", "tuner", "tune", *command(db, *extra)]
+    return subprocess.Popen(args, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_complete(db: Path, n: int, proc: subprocess.Popen, limit: float = 180) -> None:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if sum(t.state == TrialState.COMPLETE for t in counted(db)) >= n:
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.3)
+    raise AssertionError(f"no {n} complete trials after {limit} s")
+
+
+def session_processes(sid: int) -> list[int]:
+    """Processes still alive in a session (Linux /proc)."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            alive.append(int(stat.parent.name))
+    return alive
+
+
+def test_interrupted_and_killed_sweeps_resume(tmp_path, monkeypatch):
+    # An empty kernel cache: every trial compiles (seconds), so signals land mid-trial.
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "kernels"))
+    db = tmp_path / "resume.sqlite"
+    extra = ("--trials", "4", "--jobs", "1", "--sampler", "grid")
+    # Ctrl-C: the trial in flight is given back, the command says how to resume.
+    proc = start(db, *extra)
+    wait_for_complete(db, 1, proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "run the same command again" in err
+    assert not any(t.state == TrialState.RUNNING for t in trials(db))
+    # A kill: only the main process, its children must go with it.
+    done = len(counted(db))
+    proc = start(db, *extra)
+    wait_for_complete(db, done + 1, proc)
+    proc.kill()
+    proc.wait()
+    time.sleep(2)
+    if sys.platform.startswith("linux"):
+        assert session_processes(proc.pid) == []
+    with TuningDB(db) as tdb:
+        assert tdb.records() == []  # nothing recorded before the search finished
+    left_running = [t.number for t in trials(db) if t.state == TrialState.RUNNING]
+    # The same command again finishes the budget, each configuration evaluated once.
+    assert tune_main(command(db, *extra)) == 0
+    after = {t.number: t for t in trials(db)}
+    for number in left_running:  # the killed run's trial in flight was failed and re-queued
+        assert after[number].state == TrialState.FAIL
+        assert after[number].user_attrs[studies.REASON] == "interrupted"
+    finished = counted(db)
+    assert len(finished) == 4
+    assert len({json.dumps(t.params, sort_keys=True) for t in finished}) == 4
+    assert not any(t.state == TrialState.RUNNING for t in trials(db))
+    with TuningDB(db) as tdb:
+        (record,) = tdb.records("gemm")
+    assert record.trials == 4
+
+
+def test_two_workers_share_one_storage(tmp_path):
+    db = tmp_path / "workers.sqlite"
+    storage = tmp_path / "shared.journal"
+    assert tune_main(command(db, "--trials", "4", "--workers", "2", "--jobs", "2",
+                             "--sampler", "random", "--storage", str(storage))) == 0
+    st = studies.open_storage(str(storage))
+    (name,) = optuna.get_all_study_names(st)
+    all_trials = optuna.load_study(study_name=name, storage=st).get_trials(deepcopy=False)
+    done = [t for t in all_trials if t.user_attrs.get(studies.COUNTED)
+            and studies.REPEAT_OF not in t.user_attrs]
+    configs = Counter(json.dumps(t.params, sort_keys=True) for t in done)
+    assert configs and max(configs.values()) == 1  # nothing evaluated twice
+    assert 4 <= len(done) <= 5  # a worker may start one trial past the budget
+    owners = {t.user_attrs[studies.OWNER] for t in done}
+    assert len(owners) == 2  # both workers contributed
+    assert not any(t.state == TrialState.RUNNING for t in all_trials)
+    with TuningDB(db) as tdb:
+        (record,) = tdb.records("gemm")
+    assert record.trials == len(done)
