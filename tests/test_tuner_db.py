@@ -1,0 +1,197 @@
+"""`tileops db` (summary, show, export, merge, verify), suites, and the tuner's one-line errors."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import sqlite3
+
+import pytest
+from helpers import make_record, write_db
+
+from tileops.db import TuningDB
+from tileops.ops import get_spec
+from tileops.target import Target
+from tuner import suites
+from tuner.cli import tileops_main, tune_main
+from tuner.errors import UsageError
+
+GEMM = get_spec("gemm")
+CPU = Target("cpu", "x86_64", "Test CPU", 8)
+H200 = Target("cuda", "sm_90a", "NVIDIA H200", 132)
+
+
+def problem(text: str, dtype: str = "float32"):
+    return GEMM.parse_problem(text, dtype)
+
+
+def rec(target, text, config, **kw):
+    dtype = "float32" if target.kind == "cpu" else "bfloat16"
+    return make_record(GEMM, target, problem(text, dtype), config, **kw)
+
+
+CPU_CFG = {"block_M": 16, "block_N": 32, "block_K": 64}
+GPU_CFG = {"block_M": 128, "block_N": 128, "block_K": 64, "num_stages": 3, "threads": 256,
+           "swizzle": 0}
+
+
+@pytest.fixture
+def src(tmp_path):
+    return write_db(tmp_path / "src.sqlite", [
+        rec(CPU, "64x256x256", CPU_CFG, tile_us=10.0, baseline_us=20.0),
+        rec(CPU, "1x256x256", CPU_CFG, tile_us=30.0, baseline_us=20.0, chosen="baseline"),
+        rec(H200, "64x4096x4096", GPU_CFG, tile_us=9.0, baseline_us=18.0),
+        rec(H200, "1x4096x4096", GPU_CFG, tilelang_version="0.0.1"),  # stale
+    ])
+
+
+def run(capsys, *argv):
+    rc = tileops_main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_summary_and_show(src, capsys):
+    rc, out, _ = run(capsys, "db", "summary", "--db", str(src), "--json")
+    assert rc == 0
+    rows = {r["target"]: r for r in json.loads(out)}
+    assert rows["cpu:x86_64"]["records"] == 2 and rows["cpu:x86_64"]["tile_chosen"] == 1
+    assert rows["cpu:x86_64"]["median_speedup"] == pytest.approx((2.0 + 1.0) / 2)
+    assert rows["cuda:sm_90a"]["stale"] == 1 and rows["cuda:sm_90a"]["units"] == 132
+    rc, out, _ = run(capsys, "db", "summary", "--db", str(src))
+    assert rc == 0 and "NVIDIA H200" in out
+    rc, out, _ = run(capsys, "db", "show", "--db", str(src), "--target", "cpu", "--json")
+    assert rc == 0 and {r["target_kind"] for r in json.loads(out)} == {"cpu"}
+
+
+def test_export_copies_chosen_fresh_records_compacted(src, tmp_path, capsys):
+    out = tmp_path / "ship" / "h200.sqlite"
+    rc, text, _ = run(capsys, "db", "export", str(out), "--db", str(src), "--target",
+                      "cuda:sm_90a", "--op", "gemm")
+    assert rc == 0 and "exported 1 record" in text
+    with TuningDB(out, readonly=True) as db:
+        (r,) = db.records()
+    assert (r.device, r.tile_us, r.created_at) == ("NVIDIA H200", 9.0, dt.datetime(2026, 1, 1))
+    with sqlite3.connect(out) as conn:
+        assert conn.execute("PRAGMA freelist_count").fetchone()[0] == 0
+    rc, _, err = run(capsys, "db", "export", str(out), "--db", str(src))
+    assert rc == 2 and "--force" in err
+    rc, _, _ = run(capsys, "db", "export", str(out), "--db", str(src), "--include-stale",
+                   "--force")
+    with TuningDB(out, readonly=True) as db:
+        assert len(db.records()) == 4
+    assert run(capsys, "db", "verify", "--db", str(out))[0] == 1  # the stale one is reported
+
+
+def test_merge_rule(tmp_path, capsys):
+    key = "64x256x256"
+    dst = write_db(tmp_path / "dst.sqlite", [
+        rec(CPU, key, CPU_CFG, tile_us=10.0),  # vs faster fresh: replaced
+        rec(CPU, "2x256x256", CPU_CFG, tile_us=10.0),  # vs slower fresh: kept
+        rec(CPU, "4x256x256", CPU_CFG, tile_us=5.0, tilelang_version="0.0.1"),  # stale: replaced
+        rec(CPU, "8x256x256", CPU_CFG, tile_us=50.0),  # vs stale faster: kept
+        rec(CPU, "16x256x256", CPU_CFG, tile_us=5.0),  # other unit count, newer: replaced
+    ])
+    src = write_db(tmp_path / "src.sqlite", [
+        rec(CPU, key, CPU_CFG, tile_us=8.0),
+        rec(CPU, "2x256x256", CPU_CFG, tile_us=12.0),
+        rec(CPU, "4x256x256", CPU_CFG, tile_us=9.0),
+        rec(CPU, "8x256x256", CPU_CFG, tile_us=1.0, tilelang_version="0.0.1"),
+        rec(CPU, "16x256x256", CPU_CFG, tile_us=9.0, units=4,
+            created_at=dt.datetime(2026, 2, 1)),
+        rec(CPU, "32x256x256", CPU_CFG, tile_us=7.0),  # new key: added
+    ])
+    rc, out, _ = run(capsys, "db", "merge", str(src), "--into", str(dst))
+    assert rc == 0 and "1 added, 3 replaced, 2 kept" in out
+    with TuningDB(dst) as db:
+        got = {json.loads(r.problem)["M"]: r.tile_us for r in db.records()}
+    assert got == {64: 8.0, 2: 10.0, 4: 9.0, 8: 50.0, 16: 9.0, 32: 7.0}
+    rc, _, err = run(capsys, "db", "merge", str(tmp_path / "missing.sqlite"), "--into", str(dst))
+    assert rc == 2 and "does not exist" in err
+
+
+def test_verify_reports_and_prunes(tmp_path, capsys):
+    db = write_db(tmp_path / "v.sqlite", [
+        rec(CPU, "64x256x256", CPU_CFG),
+        rec(CPU, "1x256x256", {"block_M": 16}),  # keys differ from the space
+        rec(CPU, "2x256x256", CPU_CFG, kernel_hash="0" * 16),  # stale
+        rec(H200, "64x4096x4096", {**GPU_CFG, "block_M": 256, "block_N": 256, "threads": 128,
+                                   "num_stages": 4}),  # refused by check_config
+    ])
+    with TuningDB(db) as tdb:
+        tdb.put(**{**rec(CPU, "4x256x256", CPU_CFG), "op": "nosuchop"})
+    rc, out, _ = run(capsys, "db", "verify", "--db", str(db))
+    assert rc == 1
+    assert "differ from" in out and "stale" in out and "check_config" in out
+    assert "unknown operator" in out and "4 problem(s)" in out
+    rc, out, _ = run(capsys, "db", "verify", "--db", str(db), "--prune")
+    assert rc == 0 and "4 record(s) deleted" in out
+    assert run(capsys, "db", "verify", "--db", str(db))[0] == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--op", "nosuchop", "--shape", "1x2x3"], "unknown operator 'nosuchop'"),
+    (["--op", "gemm", "--shape", "1x2"], "bad GEMM shape"),
+    (["--suite", "nosuchsuite"], "unknown suite 'nosuchsuite'"),
+    (["--op", "gemm", "--shape", "8x8x8", "--device", "cuda:3"], "--device cuda:3"),
+    (["--op", "gemm", "--shape", "8x8x8", "--device", "tpu"], "unknown device"),
+    (["--op", "gemm", "--shape", "8x8x8", "--space", '{"tile": [1]}'], "unknown parameter"),
+    (["--op", "gemm", "--problems", "/nonexistent/file"], "cannot read problems file"),
+])
+def test_clear_one_line_errors(argv, message, capsys):
+    assert tune_main(["--device", "cpu", *argv] if "--device" not in argv else argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_unreadable_database_is_a_clear_error(tmp_path, capsys):
+    bad = tmp_path / "bad.sqlite"
+    bad.write_bytes(b"this is not a database" * 100)
+    assert tune_main(["--device", "cpu", "--op", "gemm", "--shape", "8x8x8", "--dtype",
+                      "float32", "--db", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and len(err.strip().splitlines()) == 1
+    assert tileops_main(["db", "summary", "--db", str(bad)]) == 2
+
+
+def test_dry_run_lists_checked_configs_without_hardware(capsys):
+    rc = tune_main(["--device", '{"kind": "cuda", "arch": "sm_90a"}', "--op", "gemm",
+                    "--shape", "64x4096x4096", "--dry-run", "--no-warm-start"])
+    out = capsys.readouterr().out.splitlines()
+    assert rc == 0 and "configurations pass the checks" in out[0]
+    configs = [json.loads(line) for line in out[1:]]
+    target = Target("cuda", "sm_90a", "x", 132)
+    assert configs and all(GEMM.check_config(problem("64x4096x4096", "bfloat16"), c, target)
+                           is None for c in configs)
+
+
+def test_suites():
+    llama = suites.load("gemm_llama")
+    assert llama.op == "gemm" and len(llama.problems) == 7 * 8 * 2
+    assert {p.M for p in llama.problems} == {1, 16, 64, 256, 1024, 4096, 8192}
+    assert {(p.N, p.K) for p in llama.problems} == {
+        (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
+        (10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672)}
+    assert {p.layout for p in llama.problems} == {"nk"}
+    assert {p.dtype for p in llama.problems} == {"bfloat16", "float16"}
+    assert len(suites.load("gemm_llama", ["float16"]).problems) == 56
+    quick = suites.load("quickstart")
+    assert quick.problems and all(p.dtype == "float32" for p in quick.problems)
+    with pytest.raises(UsageError, match="unknown suite"):
+        suites.load("nope")
+
+
+def test_suite_file_format(tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_text('op = "gemm"\ndtypes = ["float32"]\nproblems = ["3x8x8"]\n'
+                    '[[groups]]\nproblems = ["{M}x{N}x16:kn"]\nM = [1, 2]\nN = 32\n'
+                    '[[tables]]\nM = 4\nN = 8\nK = [8, 16]\ndtype = "float16"\n'
+                    'layout = "nk"\nout_dtype = "float32"\n')
+    got = suites.load(str(path)).problems
+    assert got[0] == problem("3x8x8")
+    assert got[1:3] == [problem("1x32x16:kn"), problem("2x32x16:kn")]
+    assert [p.K for p in got[3:]] == [8, 16] and got[3].out_dtype == "float32"
+    lines = tmp_path / "p.txt"
+    lines.write_text("# comment\n64x8x8\n1x8x8 float16  # trailing\n")
+    assert suites.read_problems_file(GEMM, str(lines), ["float32"]) == [
+        problem("64x8x8"), problem("1x8x8", "float16")]
