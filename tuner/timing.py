@@ -20,7 +20,8 @@ import torch
 # Seconds of timed launches per measurement, and bounds on the repeat count.
 BUDGET_S = {"gpu": 0.15, "host": 0.25}
 REPEATS = {"gpu": (20, 400), "host": (5, 100)}
-WARMUP = 3
+# Seconds of untimed launches first (at least 3), so that clocks, caches and libraries settle.
+WARMUP_S = {"gpu": 0.03, "host": 0.01}
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class Timer:
         kind = "gpu" if self.gpu else "host"
         self.budget_s = BUDGET_S[kind] if budget_s is None else budget_s
         self.min_repeats, self.max_repeats = REPEATS[kind]
+        self.warmup_s = WARMUP_S[kind]
         self._flush: torch.Tensor | None = None
 
     def samples(self, launch: Callable[[], Any]) -> list[float]:
@@ -62,14 +64,15 @@ class Timer:
         return Stats.of(self.samples(launch))
 
     def _warm_up(self, launch: Callable[[], Any]) -> float:
-        """Run a few launches; the mean latency (us) estimates what one timed launch costs."""
+        """Run untimed launches; their mean latency (us) estimates what one timed launch costs."""
         launch()
         self.synchronize()
-        start = time.perf_counter()
-        for _ in range(WARMUP):
+        n, start = 0, time.perf_counter()
+        while n < 3 or time.perf_counter() - start < self.warmup_s:
             launch()
-        self.synchronize()
-        return max((time.perf_counter() - start) * 1e6 / WARMUP, 1.0)
+            self.synchronize()
+            n += 1
+        return max((time.perf_counter() - start) * 1e6 / n, 1.0)
 
     def _host_samples(self, launch: Callable[[], Any], n: int) -> list[float]:
         out = []
