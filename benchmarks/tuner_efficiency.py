@@ -63,9 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     target, device = resolve_device(args.device)
     suite = suites.load(args.suite, [args.dtype] if args.dtype else None)
     spec = get_spec(suite.op)
-    space = spec.space(target)
-    if args.space:
-        space.update(json.loads(args.space))
+    space = {**spec.space(target), **json.loads(args.space or "{}")}
     problems = pick(spec, suite.problems, args.problems)
     out_dir = Path(args.results_dir) if args.results_dir else ROOT / "results" / slug(target.device)
     out_dir.mkdir(parents=True, exist_ok=True)

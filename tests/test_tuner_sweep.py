@@ -12,7 +12,7 @@ import tileops
 from tileops.db import TuningDB
 from tileops.db.layers import stale_reason
 from tileops.dispatch import DISPATCHER
-from tileops.ops import get_spec
+from tileops.ops import SPECS, get_spec
 from tileops.target import target_of
 from tuner import studies
 from tuner.cli import tune_main
@@ -57,11 +57,12 @@ def test_sweep_records_winners_that_dispatch_uses(tmp_path, capsys):
     assert any(c.source == "user" for c in DISPATCHER.choices.values())
 
 
-def test_failures_never_win_and_do_not_stop_the_sweep(tmp_path):
+def test_failures_never_win_and_do_not_stop_the_sweep(tmp_path, monkeypatch):
+    monkeypatch.setitem(SPECS, tuner_helpers.FAULTY.name, tuner_helpers.FAULTY)
     db = tmp_path / "faulty.sqlite"
     rc = tune_main(["--device", "cpu", "--op", tuner_helpers.FAULTY.name, "--shape", "16x64x64",
                     "--dtype", "float32", "--trials", "8", "--sampler", "grid",
-                    "--trial-timeout", "15", "--db", str(db), "--quiet"])
+                    "--trial-timeout", "10", "--db", str(db), "--quiet"])
     assert rc == 0
     study = load_study(db)
     verdicts = {}

@@ -49,7 +49,8 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--problems", metavar="FILE",
                      help="file with one problem per line ('TEXT [DTYPE]', # comments)")
     src.add_argument("--shape", action="append", metavar="TEXT",
-                     help="a problem in the operator's syntax (GEMM: MxNxK[:nk|:kn]); repeatable")
+                     help="a problem in the operator's own syntax (what its spec's "
+                          "parse_problem reads); repeatable")
     p.add_argument("--dtype", help="comma-separated dtypes (default: the suite's, else bfloat16)")
     p.add_argument("--trials", type=_positive(int), default=32,
                    help="compiled configurations per problem, counting earlier runs (default 32)")
@@ -67,7 +68,8 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                    help="tpe (multivariate, default), random, or grid (exhaustive)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--space", metavar="JSON",
-                   help='restrict the search space, e.g. \'{"block_M": [16, 64]}\'')
+                   help="replace parameters of the search space: a JSON object of "
+                        "parameter -> list of values")
     p.add_argument("--trial-timeout", type=_positive(float), default=300.0, metavar="S",
                    help="time limit of one compile and of one measurement (default 300)")
     p.add_argument("--retime-top", type=_positive(int), default=4, metavar="K",

@@ -85,6 +85,7 @@ def search(session: Session, study: optuna.Study, task: Task, limits: Limits,
         candidates, repeats = _ask_batch(study, task, ledger, min(remaining, batch), repeats)
         if candidates:
             _evaluate(session, study, task, candidates, limits, started, progress, seed)
+        studies.reap_interrupted(study, task.space)  # trials of workers that died meanwhile
         ledger = studies.read_ledger(study)
         stopped = _stop_reason(ledger, task, limits, started, repeats)
     progress.end(ledger, stopped)

@@ -2,18 +2,19 @@
 
 A suite is `configs/suites/NAME.toml`, for any operator:
 
-    op = "gemm"                      # the operator (tileops.ops.SPECS)
+    op = "NAME"                      # the operator (tileops.ops.SPECS)
     description = "..."
     dtypes = ["bfloat16", "float16"] # each problem text is made once per dtype
-    problems = ["1x4096x4096:nk"]    # in the operator's own syntax (what --shape takes)
+    problems = ["TEXT", ...]         # in the operator's own syntax (what --shape takes)
 
     [[groups]]                       # texts with {placeholders}, expanded over the lists beside
-    problems = ["{M}x6144x4096:nk"]  # them (their product); a group may set its own dtypes
+    problems = ["{M}x4096:{L}"]      # them (their product); a group may set its own dtypes
     M = [1, 16, 64]
+    L = "nk"
 
     [[tables]]                       # problems given by their key fields (spec.problem_from_dict);
-    M = [1, 64]                      # every field must be given, lists expand as a product
-    N = 256
+    FIELD = [1, 64]                  # every field must be given, lists expand as a product
+    OTHER_FIELD = "value"
 
 Problems are parsed by the operator's spec (`spec.parse_problem(text, dtype)`), so bucketing and
 defaults are the spec's. A problems file holds one problem per line in the same syntax, optionally
