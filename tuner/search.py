@@ -142,9 +142,18 @@ def _evaluate(session: Session, study: optuna.Study, task: Task,
             trial, config = pending[0]
             if not limits.time_left(started):
                 break
+            twin = studies.earlier_twin(study, trial)
+            if twin is not None:  # another worker took the same configuration meanwhile
+                if twin.state.is_finished():
+                    studies.tell_repeat(study, trial, twin)
+                else:
+                    studies.repeat_in_flight(study, trial)
+                pending.pop(0)
+                continue
             if outcome.error is not None:
-                kind = "compile" if outcome.error.kind == "error" else outcome.error.kind
-                m = Measurement(failure=kind, reason=outcome.error.reason)
+                error = outcome.error  # an exception is a compile error; else it hung or crashed
+                m = (Measurement(failure="compile", reason=error.reason) if error.kind == "error"
+                     else Measurement(failure=error.kind, reason=f"compiling: {error.reason}"))
             else:
                 m = session.measure(task.job(config), seed + trial.number + 1)
             _tell(study, trial, m)

@@ -179,6 +179,23 @@ def read_ledger(study: optuna.Study) -> Ledger:
     return ledger
 
 
+def earlier_twin(study: optuna.Study, trial: Trial) -> FrozenTrial | None:
+    """The first earlier trial of the same configuration, in flight or finished (not FAIL).
+
+    Workers deduplicate against what they read before asking, which misses a twin another
+    worker asked for meanwhile; checking again just before measuring, when both trials' params
+    are long written, and letting the lower trial number win, leaves exactly one of them.
+    """
+    for t in study.get_trials(deepcopy=False, states=_EVALUATED + (TrialState.RUNNING,)):
+        if t.number < trial.number and REPEAT_OF not in t.user_attrs \
+                and t.params == trial.params:
+            return t
+    return None
+
+
+_EVALUATED = (TrialState.COMPLETE, TrialState.PRUNED)
+
+
 # ---- writing trials -----------------------------------------------------------------------------
 def ask(study: optuna.Study, space: Space) -> tuple[Trial, Config]:
     trial = study.ask()

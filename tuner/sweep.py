@@ -13,7 +13,6 @@ import json
 import logging
 import multiprocessing as mp
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,7 +48,6 @@ class Plan:
     sampler: str = "tpe"
     trials: int = 32
     timeout: float | None = None  # seconds per problem
-    deadline: float | None = None  # wall-clock time after which no trial starts
     seed: int = 0
     jobs: int = field(default_factory=lambda: os.cpu_count() or 1)  # compile processes, in all
     trial_timeout: float = 300.0
@@ -58,7 +56,6 @@ class Plan:
     space: Space | None = None  # None: the spec's space for the target
     study_prefix: str = "tileops"
     warm_start: bool = True
-    record: bool = True  # write winners to the database
     quiet: bool = False
 
     def __post_init__(self) -> None:
@@ -68,6 +65,9 @@ class Plan:
     def task(self, problem: tuple, device: str | None = None) -> Task:
         assert self.space is not None
         return Task(self.spec, self.target, device or self.devices[0], problem, self.space)
+
+    def limits(self) -> Limits:
+        return Limits(self.trials, self.timeout)
 
     def study_name(self, problem: tuple) -> str:
         assert self.space is not None
@@ -94,11 +94,9 @@ def run(plan: Plan, progress: Progress) -> list[Result]:
     results = []
     with Session(plan.devices[0], plan.jobs, plan.trial_timeout) as session:
         for problem in plan.problems:
-            if _past_deadline(plan):
-                break
             task = plan.task(problem)
             study = _prepare(plan, storage, task)
-            report = search(session, study, task, _limits(plan), progress, plan.jobs, plan.seed)
+            report = search(session, study, task, plan.limits(), progress, plan.jobs, plan.seed)
             results.append(_finish(plan, session, task, study, report))
     return results
 
@@ -152,7 +150,7 @@ def _finish(plan: Plan, session: Session, task: Task, study: optuna.Study,
     if not ledger.complete():
         result.note = "no configuration passed its check; nothing recorded"
         return result
-    if plan.record and not new_trials and winners.already_recorded(plan.db, task, ledger.counted):
+    if not new_trials and winners.already_recorded(plan.db, task, ledger.counted):
         result.note = "already recorded"
         return result
     decision = winners.retime_top(session, task, ledger, plan.retime_top, plan.retime_rounds,
@@ -162,8 +160,7 @@ def _finish(plan: Plan, session: Session, task: Task, study: optuna.Study,
         result.note = "the best configurations failed when re-timed; nothing recorded"
     else:
         result.baseline_us = decision.baseline_us
-        if plan.record:
-            winners.write(plan.db, task, decision, ledger.counted)
+        winners.write(plan.db, task, decision, ledger.counted)
     return result
 
 
@@ -209,21 +206,8 @@ def _worker(plan: Plan, index: int, jobs: int) -> None:
     try:
         with Session(device, jobs, plan.trial_timeout) as session:
             for problem in plan.problems:
-                if _past_deadline(plan):
-                    break
                 task = plan.task(problem, device)
                 study = _open(plan, storage, task, stream=index + 1)
-                search(session, study, task, _limits(plan), progress, jobs, plan.seed)
+                search(session, study, task, plan.limits(), progress, jobs, plan.seed)
     except KeyboardInterrupt:
         raise SystemExit(130) from None
-
-
-def _limits(plan: Plan) -> Limits:
-    deadline = None
-    if plan.deadline is not None:  # wall clock (shared by processes) -> this process's monotonic
-        deadline = time.monotonic() + (plan.deadline - time.time())
-    return Limits(plan.trials, plan.timeout, deadline)
-
-
-def _past_deadline(plan: Plan) -> bool:
-    return plan.deadline is not None and time.time() >= plan.deadline
