@@ -31,7 +31,8 @@ from tileops.ops import SPECS, get_spec
 from tileops.spec import OpSpec
 from tileops.target import Target, parse_override, resolve_device
 
-from . import dbtools, studies, suites, sweep
+from . import studies, suites, sweep
+from .dbcli import add_db_arguments, db_command
 from .errors import UsageError
 from .progress import Progress, table
 
@@ -244,113 +245,6 @@ def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse
 
 
-# ---- db -----------------------------------------------------------------------------------------
-def add_db_arguments(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="db_command", required=True, metavar="COMMAND")
-
-    def command(name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=description or help,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-
-    def db_option(q: argparse.ArgumentParser) -> None:
-        q.add_argument("--db", type=Path, help="database (default: the user database)")
-
-    def filters(q: argparse.ArgumentParser) -> None:
-        q.add_argument("--op", action="append", help="only this operator (repeatable)")
-        q.add_argument("--target", action="append", metavar="KIND[:ARCH]",
-                       help="only this target, e.g. cuda or cuda:sm_90a (repeatable)")
-        q.add_argument("--device", help="only devices whose name contains this")
-
-    q = command("summary", "records per operator and target, median speedup over the baseline")
-    db_option(q)
-    q.add_argument("--json", action="store_true")
-    q = command("show", "list records")
-    db_option(q)
-    filters(q)
-    q.add_argument("--json", action="store_true")
-    q = command("export", "copy chosen operators and targets into a standalone, compacted file")
-    q.add_argument("out", type=Path, help="new database file")
-    db_option(q)
-    filters(q)
-    q.add_argument("--include-stale", action="store_true",
-                   help="also copy records this installation does not trust")
-    q.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    q = command("merge", "merge the records of SRC into DST",
-                "merge the records of SRC into DST\n\n" + _merge_rule())
-    q.add_argument("src", type=Path)
-    q.add_argument("--into", type=Path, required=True, metavar="DST")
-    q = command("verify", "check schema, integrity, staleness and configurations")
-    db_option(q)
-    q.add_argument("--prune", action="store_true", help="delete the records with problems")
-
-
-def db(args: argparse.Namespace) -> int:
-    path = (getattr(args, "db", None) or default_user_db()).expanduser()
-    command = args.db_command
-    if command == "merge":
-        with dbtools.open_db(args.src) as src, _open_dst(args.into) as dst:
-            report = dbtools.merge(src, dst)
-        print(f"merged {args.src} into {args.into}: {report.added} added, {report.replaced} "
-              f"replaced, {report.kept} kept")
-        return 0
-    if command == "verify":
-        with dbtools.open_db(path, write=args.prune) as tdb:
-            version = tdb.schema_version()
-            issues = dbtools.verify(tdb)
-            if args.prune:
-                ids = {i.record_id for i in issues if i.record_id is not None}
-                if ids and tdb.readonly:
-                    raise UsageError(f"{path} is not writable; cannot prune")
-                pruned = tdb.delete(ids)
-        for issue in issues:
-            print(f"record {issue.record_id}: {issue.message}" if issue.record_id is not None
-                  else issue.message)
-        print(f"{path}: schema version {version}, {len(issues)} problem(s)"
-              + (f", {pruned} record(s) deleted" if args.prune else ""))
-        return 1 if issues and not args.prune else 0
-    with dbtools.open_db(path) as tdb:
-        records = tdb.records()
-    if command == "summary":
-        rows = dbtools.summary(records)
-        if args.json:
-            print(json.dumps(rows, indent=2))
-        else:
-            print(table(["op", "target", "device", "units", "records", "tile", "stale",
-                         "median speedup", "median tile speedup"],
-                        [list(r.values()) for r in rows]) if rows else f"{path}: no records")
-        return 0
-    chosen = dbtools.select(records, args.op, args.target, args.device)
-    if command == "show":
-        rows = dbtools.show_rows(chosen)
-        if args.json:
-            print(json.dumps(rows, indent=2))
-        else:
-            print(table(["id", "op", "problem", "target", "device", "chosen", "tile us",
-                         "baseline us", "trials", "config", "stale"],
-                        [[r["id"], r["op"], canonical(r["problem"]),
-                          f"{r['target_kind']}:{r['arch']}", r["device"], r["chosen"],
-                          r["tile_us"], r["baseline_us"], r["trials"], canonical(r["config"]),
-                          r["stale"]] for r in rows]))
-        return 0
-    if not args.include_stale:
-        chosen = [r for r in chosen if dbtools.freshness(r) is None]
-    n = dbtools.export(chosen, args.out, force=args.force)
-    print(f"exported {n} record(s) from {path} to {args.out}")
-    return 0
-
-
-def _open_dst(path: Path) -> TuningDB:
-    try:
-        return TuningDB(path.expanduser())
-    except DatabaseError as e:
-        raise UsageError(str(e)) from None
-
-
-def _merge_rule() -> str:
-    doc = dbtools.__doc__ or ""
-    return doc[doc.index("Merge rule"):].strip()
-
-
 # ---- entry points -------------------------------------------------------------------------------
 def tune_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tileops-tune", description=(
@@ -365,7 +259,7 @@ def tileops_main(argv: Sequence[str] | None = None) -> int:
     add_tune_arguments(sub.add_parser("tune", help="tune operators (same as tileops-tune)"))
     add_db_arguments(sub.add_parser("db", help="inspect, ship and check tuning databases"))
     args = parser.parse_args(argv)
-    return _run(tune if args.command == "tune" else db, args, parser.prog)
+    return _run(tune if args.command == "tune" else db_command, args, parser.prog)
 
 
 def _run(command: Callable[[argparse.Namespace], int], args: argparse.Namespace,
