@@ -33,6 +33,7 @@ from tileops.target import Target, parse_override, resolve_device
 
 from . import studies, suites, sweep
 from .dbcli import add_db_arguments, db_command
+from .dispatch_check import check_dispatch
 from .errors import UsageError
 from .progress import Progress, table
 
@@ -103,7 +104,18 @@ def tune(args: argparse.Namespace) -> int:
     results = sweep.run(plan, Progress(quiet=args.quiet))
     if not args.quiet:
         print(results_table(results))
-    return 0
+    tuned = [r.task.problem for r in results if r.decision is not None]
+    checks = check_dispatch(spec, tuned, devices[0], db)
+    if not args.quiet:
+        print("\ndispatch check (tileops called as a user would, against the float64 reference):")
+        print(table(["problem", "resolved from", "runs", "rel. error", "ok"],
+                    [[c.label, c.source, c.runs, f"{c.rel_error:.1e}", "yes" if c.ok else "NO"]
+                     for c in checks]))
+    failed = [c for c in checks if not c.ok]
+    for c in failed:
+        log.error("dispatch check failed for %s: resolved from %s, relative error %.2e",
+                  c.label, c.source, c.rel_error)
+    return 1 if failed else 0
 
 
 def dry_run(plan: sweep.Plan) -> str:
