@@ -176,7 +176,7 @@ def test_suites():
     assert {p.dtype for p in llama.problems} == {"bfloat16", "float16"}
     assert len(suites.load("gemm_llama", ["float16"]).problems) == 56
     quick = suites.load("quickstart")
-    assert quick.problems and all(p.dtype == "float32" for p in quick.problems)
+    assert quick.problems and all(p.dtype == "bfloat16" for p in quick.problems)
     with pytest.raises(UsageError, match="unknown suite"):
         suites.load("nope")
 

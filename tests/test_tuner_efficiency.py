@@ -13,7 +13,7 @@ SPACE = {"block_M": [16, 64], "block_N": [32, 64], "block_K": [64]}
 
 def test_efficiency_experiment_runs_and_resumes(tmp_path):
     args = [sys.executable, "benchmarks/tuner_efficiency.py", "--device", "cpu", "--suite",
-            "quickstart", "--dtype", "float32", "--problems", "1", "--seeds", "1",
+            "quickstart", "--dtype", "bfloat16", "--problems", "1", "--seeds", "1",
             "--fraction", "0.5", "--space", json.dumps(SPACE), "--results-dir", str(tmp_path),
             "--quiet"]
     for _ in range(2):  # the second run finds every study done
