@@ -1,0 +1,73 @@
+"""Helpers shared by operators: dtype tables and the CPU target's bf16 calling convention.
+
+TileLang's C target has no bfloat16 type: bf16 tensors enter and leave CPU programs as their
+uint16 bit patterns (`BitsAdapter` reinterprets them at the call, without a copy) and the programs
+convert with `to_f32` / `from_f32` (round to nearest even, NaN kept).
+"""
+
+# No `from __future__ import annotations`: these helpers are called inside TileLang prim_funcs.
+import functools
+import hashlib
+import importlib
+import inspect
+from typing import Any
+
+import tilelang.language as T
+import torch
+
+ACCUM = "float32"  # accumulator dtype of every tile program
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# Shared memory a CUDA thread block may use, by arch family (bytes).
+SMEM_LIMIT = {"sm_90": 227 * 1024, "sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """"bfloat16" for torch.bfloat16, and a readable name for dtypes outside the table."""
+    return DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def smem_limit(arch: str) -> int:
+    """Shared memory (bytes) one thread block may use on a CUDA arch (`sm_90a` etc.)."""
+    return SMEM_LIMIT.get(arch.rstrip("a"), 99 * 1024)
+
+
+def bits(dtype: str) -> str:
+    """The C type a CPU program declares for a tensor of `dtype`."""
+    return "uint16" if dtype == "bfloat16" else dtype
+
+
+def to_f32(x, dtype: str):
+    """Widen an element of a CPU program's `dtype` tensor (bf16: its uint16 bits) to fp32."""
+    if dtype == "bfloat16":
+        return T.reinterpret(T.shift_left(T.cast(x, "uint32"), T.uint32(16)), "float32")
+    return T.cast(x, "float32")
+
+
+def from_f32(v, dtype: str):
+    """Narrow an fp32 value to a CPU program's `dtype` (bf16: round to nearest even bits)."""
+    if dtype != "bfloat16":
+        return T.cast(v, dtype)
+    u = T.reinterpret(v, "uint32")
+    rounded = T.shift_right(u + T.uint32(0x7FFF) + T.bitwise_and(T.shift_right(u, T.uint32(16)),
+                                                                  T.uint32(1)), T.uint32(16))
+    return T.cast(T.if_then_else(T.isnan(v), T.uint32(0x7FC0), rounded), "uint16")
+
+
+class BitsAdapter:
+    """Calls a CPU kernel with bf16 tensors viewed as their uint16 bit patterns."""
+
+    def __init__(self, kernel: Any):
+        self.kernel = kernel
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        self.kernel(*(t.view(torch.uint16) if t.dtype is torch.bfloat16 else t for t in tensors))
+
+
+@functools.cache
+def kernel_hash(module: str) -> str:
+    """Hash of a kernel module's source together with this one's (its kernels call helpers here)."""
+    source = "".join(inspect.getsource(importlib.import_module(m)) for m in (module, __name__))
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
