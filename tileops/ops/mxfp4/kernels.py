@@ -1,0 +1,132 @@
+"""MXFP4 weight GEMM tile programs: C[M, N] = A[M, K] @ dequantize(W, S)^T, fp32 accumulation.
+
+W is the packed (N, K/2) uint8 weight (element 2i in the low nibble), S its (N, K/32) E8M0
+scales (see format.py). The weight is decoded inside the kernel, one tile at a time, straight
+into the operand tile the matrix units read, so the weight crosses memory at 4.25 bits per
+element. M is dynamic; tiles past M, N or K are zero-filled by the copies (a zero code decodes to
+zero under any finite scale) or bounds-checked on the CPU.
+
+Two decoders, a configuration knob (`dequant`):
+  "bits": the fp32 bit pattern of each E2M1 code is assembled with shifts and masks;
+  "lut":  a 16-entry fp32 table, filled once per thread block, is indexed by the code.
+Either value is multiplied by the block's scale, whose fp32 bits are built from the E8M0 byte.
+"""
+
+# No `from __future__ import annotations`: TileLang evaluates the prim_func annotations, which
+# refer to closure variables.
+import tilelang.cpu.language as TC
+import tilelang.language as T
+
+from ..common import ACCUM, bits, from_f32, to_f32
+from .format import BLOCK, E2M1_VALUES
+
+
+def _nibble(byte, k):
+    """The E2M1 code of element k from the byte holding elements k & ~1 and k | 1."""
+    return T.bitwise_and(T.shift_right(T.cast(byte, "uint32"), T.cast(k % 2, "uint32") * 4),
+                         T.uint32(15))
+
+
+def _code_value_bits(code):
+    """fp32 value of an E2M1 code, assembled from its fields: sign, exponent e, mantissa m."""
+    e = T.bitwise_and(T.shift_right(code, T.uint32(1)), T.uint32(3))
+    m = T.bitwise_and(code, T.uint32(1))
+    normal = T.bitwise_or(T.shift_left(e + T.uint32(126), T.uint32(23)),
+                          T.shift_left(m, T.uint32(22)))
+    magnitude = T.if_then_else(e == T.uint32(0), m * T.uint32(0x3F000000), normal)  # 0 or 0.5
+    sign = T.shift_left(T.bitwise_and(code, T.uint32(8)), T.uint32(28))
+    return T.reinterpret(T.bitwise_or(magnitude, sign), "float32")
+
+
+def _code_value_select(code):
+    """fp32 value of an E2M1 code by a chain of selects over the table (fills the LUT)."""
+    value = T.float32(E2M1_VALUES[-1])
+    for c in range(len(E2M1_VALUES) - 2, -1, -1):
+        value = T.if_then_else(code == T.uint32(c), T.float32(E2M1_VALUES[c]), value)
+    return value
+
+
+def _scale(e8m0):
+    """fp32 value 2^(e - 127) of an E8M0 byte: 2^-127 is subnormal, 255 is NaN."""
+    e = T.cast(e8m0, "uint32")
+    bits_ = T.if_then_else(e == T.uint32(0), T.uint32(1 << 22), T.shift_left(e, T.uint32(23)))
+    bits_ = T.if_then_else(e == T.uint32(255), T.uint32(0x7FC00000), bits_)
+    return T.reinterpret(bits_, "float32")
+
+
+def gpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block_K: int,
+                num_stages: int, threads: int, dequant: str):
+    """The GPU tile program: per K step, stage A and the packed W and S tiles in shared memory,
+    decode W into a dtype tile in shared memory, and multiply on the matrix units (wgmma on
+    sm_90a, mma on older CUDA)."""
+    M = T.dynamic("m")
+    lut = dequant == "lut"
+
+    @T.prim_func
+    def mxfp4_gemm(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K // 2), "uint8"),
+                   S: T.Tensor((N, K // BLOCK), "uint8"), C: T.Tensor((M, N), dtype)):
+        with T.Kernel(T.ceildiv(N, block_N), T.ceildiv(M, block_M), threads=threads) as (bx, by):
+            A_s = T.alloc_shared((block_M, block_K), dtype)
+            W_s = T.alloc_shared((block_N, block_K // 2), "uint8")
+            S_s = T.alloc_shared((block_N, block_K // BLOCK), "uint8")
+            B_s = T.alloc_shared((block_N, block_K), dtype)
+            table = T.alloc_shared((16,), ACCUM)
+            C_f = T.alloc_fragment((block_M, block_N), ACCUM)
+            if lut:
+                for c in T.Parallel(16):
+                    table[c] = _code_value_select(T.cast(c, "uint32"))
+            T.clear(C_f)
+            for ko in T.Pipelined(T.ceildiv(K, block_K), num_stages=num_stages):
+                T.copy(A[by * block_M, ko * block_K], A_s)
+                T.copy(W[bx * block_N, ko * (block_K // 2)], W_s)
+                T.copy(S[bx * block_N, ko * (block_K // BLOCK)], S_s)
+                for n, k in T.Parallel(block_N, block_K):
+                    code = _nibble(W_s[n, k // 2], k)
+                    value = table[code] if lut else _code_value_bits(code)
+                    B_s[n, k] = T.cast(value * _scale(S_s[n, k // BLOCK]), dtype)
+                T.gemm(A_s, B_s, C_f, transpose_B=True)
+            T.copy(C_f, C[by * block_M, bx * block_N])
+
+    return mxfp4_gemm
+
+
+def cpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block_K: int,
+                dequant: str):
+    """The CPU form, for TileLang's C target: each program instance decodes a block_K x block_N
+    weight tile into a local fp32 buffer and accumulates its product with the A tile."""
+    M = TC.dynamic("m")
+    lut = dequant == "lut"
+
+    @TC.prim_func
+    def mxfp4_gemm(A: TC.Tensor((M, K), bits(dtype)), W: TC.Tensor((N, K // 2), "uint8"),
+                   S: TC.Tensor((N, K // BLOCK), "uint8"), C: TC.Tensor((M, N), bits(dtype))):
+        with TC.Kernel(TC.ceildiv(N, block_N), TC.ceildiv(M, block_M)) as (bx, by):
+            a = TC.alloc_local((block_M, block_K), ACCUM)
+            b = TC.alloc_local((block_K, block_N), ACCUM)
+            acc = TC.alloc_local((block_M, block_N), ACCUM)
+            table = TC.alloc_local((16,), ACCUM)
+            if lut:
+                for c in TC.serial(16):
+                    table[c] = _code_value_select(TC.cast(c, "uint32"))
+            for i, j in TC.grid(block_M, block_N):
+                acc[i, j] = 0.0
+            for ko in TC.serial(TC.ceildiv(K, block_K)):
+                for i, kk in TC.grid(block_M, block_K):
+                    m, k = by * block_M + i, ko * block_K + kk
+                    a[i, kk] = TC.if_then_else(m < M and k < K, to_f32(A[m, k], dtype), 0.0)
+                for kk, j in TC.grid(block_K, block_N):
+                    n, k = bx * block_N + j, ko * block_K + kk
+                    if n < N and k < K:
+                        code = _nibble(W[n, k // 2], k)
+                        value = table[code] if lut else _code_value_bits(code)
+                        b[kk, j] = value * _scale(S[n, k // BLOCK])
+                    else:
+                        b[kk, j] = 0.0
+                for i, kk, j in TC.grid(block_M, block_K, block_N):
+                    acc[i, j] += a[i, kk] * b[kk, j]
+            # Element by element: the C backend's vectorised fp16 cast is broken.
+            for i, j in TC.grid(block_M, block_N):
+                if by * block_M + i < M and bx * block_N + j < N:
+                    C[by * block_M + i, bx * block_N + j] = from_f32(acc[i, j], dtype)
+
+    return mxfp4_gemm

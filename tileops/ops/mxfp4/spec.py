@@ -1,0 +1,198 @@
+"""MXFP4 weight GEMM: C = A @ dequantize(w_fp4, w_scale)^T with fp32 accumulation.
+
+A is (M, K) bf16 or fp16; the weight is an (N, K) MXFP4 weight packed by `quantize_mxfp4`; C has
+A's dtype. Problem key: (M bucket, N, K, dtype), M bucketed by `pow2_bucket` and dynamic in the
+kernel, as for GEMM.
+
+The baseline is what a user without this kernel runs: a bf16/fp16 GEMM (`torch.matmul`, cuBLAS on
+CUDA) on the weight dequantised once and kept. A call's arguments carry that dense weight, made on
+the baseline's first launch, so the tuner times the GEMM alone; dispatch calling the baseline
+(when a record says it won) dequantises on every call.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, NamedTuple
+
+import torch
+
+from ...spec import Call, Config, OpSpec, pow2_bucket
+from ...target import Target
+from ..common import DTYPE_SIZES, DTYPES, BitsAdapter, dtype_name, kernel_hash, smem_limit
+from . import kernels
+from .format import BLOCK, check_packed, dequantize_mxfp4, quantize_mxfp4
+
+SUPPORTED = ("bfloat16", "float16")  # A and C, on every device
+_ACCEPTED = {DTYPES[name] for name in SUPPORTED}
+# Shared (LDS / threadgroup) memory a block may use outside CUDA (bytes).
+_SMEM_OTHER = {"hip": 64 * 1024, "metal": 32 * 1024}
+
+
+class Mxfp4Problem(NamedTuple):
+    M: int
+    N: int
+    K: int
+    dtype: str
+
+
+class PackedWeight:
+    """The packed weight of one call, and its dense form once the baseline has needed it."""
+
+    __slots__ = ("fp4", "scale", "_dense")
+
+    def __init__(self, fp4: torch.Tensor, scale: torch.Tensor):
+        self.fp4, self.scale, self._dense = fp4, scale, None
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        if self._dense is None:
+            self._dense = dequantize_mxfp4(self.fp4, self.scale, dtype)
+        return self._dense
+
+
+class Mxfp4GemmSpec(OpSpec):
+    name = "mxfp4_gemm"
+    Problem = Mxfp4Problem
+    bucketed = ("M",)
+    categorical = ("dtype",)
+    baseline_name = "torch.matmul on the dequantised weight"
+    kernel_module = kernels.__name__
+
+    # ---- problems -------------------------------------------------------------------------------
+    def prepare(self, a: torch.Tensor, w_fp4: torch.Tensor, w_scale: torch.Tensor) -> Call:
+        # Warm path: few attribute reads; anything off goes to `_refuse` for the precise error.
+        try:
+            (M, K), (N, K2), (N2, KS) = a.shape, w_fp4.shape, w_scale.shape
+            ok = (a.dtype in _ACCEPTED and w_fp4.dtype is torch.uint8
+                  and w_scale.dtype is torch.uint8 and K == 2 * K2 and K % BLOCK == 0
+                  and N == N2 and KS * BLOCK == K and M and N and K
+                  and a.device == w_fp4.device == w_scale.device)
+        except (AttributeError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            self._refuse(a, w_fp4, w_scale)
+        if not a.is_contiguous():
+            a = a.contiguous()
+        if not (w_fp4.is_contiguous() and w_scale.is_contiguous()):
+            w_fp4, w_scale = w_fp4.contiguous(), w_scale.contiguous()
+        problem = Mxfp4Problem(1 << (M - 1).bit_length(), N, K, dtype_name(a.dtype))
+        return Call(a.device, problem, (a, PackedWeight(w_fp4, w_scale)))
+
+    def _refuse(self, a: Any, w_fp4: Any, w_scale: Any) -> None:
+        """Raise the clear error for a call that `prepare`'s fast checks rejected."""
+        if not isinstance(a, torch.Tensor):
+            raise TypeError(f"mxfp4_gemm: a must be a tensor, got {type(a).__name__}")
+        N, k_weight = check_packed(w_fp4, w_scale, "mxfp4_gemm")
+        if a.dim() != 2:
+            raise ValueError(f"mxfp4_gemm expects a 2-D a (M, K); got shape {tuple(a.shape)}")
+        if a.dtype not in _ACCEPTED:
+            raise TypeError(f"mxfp4_gemm: a is {dtype_name(a.dtype)}; allowed: "
+                            f"{', '.join(SUPPORTED)}")
+        if a.device != w_fp4.device:
+            raise ValueError(f"mxfp4_gemm: a is on {a.device} but the weight is on "
+                             f"{w_fp4.device}")
+        M, K = a.shape
+        if k_weight != K:
+            raise ValueError(f"mxfp4_gemm: a is {M}x{K} but the packed weight {tuple(w_fp4.shape)} "
+                             f"holds K = {k_weight} (2 elements per byte)")
+        raise ValueError(f"mxfp4_gemm: empty operand (M={M}, N={N}, K={K}); sizes must be >= 1")
+
+    def parse_problem(self, text: str, dtype: str) -> Mxfp4Problem:
+        match = re.fullmatch(r"\s*(\d+)x(\d+)x(\d+)\s*", text)
+        if not match:
+            raise ValueError(f"bad MXFP4 GEMM shape {text!r}: expected MxNxK (weight N x K)")
+        if dtype not in SUPPORTED:
+            raise ValueError(f"bad dtype {dtype!r} for mxfp4_gemm: expected one of "
+                             f"{', '.join(SUPPORTED)}")
+        M, N, K = (int(match.group(i)) for i in (1, 2, 3))
+        if min(M, N, K) < 1 or K % BLOCK:
+            raise ValueError(f"bad MXFP4 GEMM shape {text!r}: sizes must be >= 1 and K a "
+                             f"multiple of {BLOCK}")
+        return Mxfp4Problem(pow2_bucket(M), N, K, dtype)
+
+    # ---- configuration --------------------------------------------------------------------------
+    def default_config(self, problem: Mxfp4Problem, target: Target) -> Config:
+        M, N = problem.M, problem.N
+        if target.kind == "cpu":
+            return {"block_M": min(M, 32), "block_N": 32, "block_K": 64, "dequant": "bits"}
+        units = target.units or 132
+        if M <= 16:  # decode: bound by reading W; narrow N tiles to occupy every unit
+            return {"block_M": 16, "block_N": 64 if units <= -(-N // 64) else 32,
+                    "block_K": 256, "num_stages": 3, "threads": 128, "dequant": "bits"}
+        if M <= 64:
+            return {"block_M": 64, "block_N": 64, "block_K": 128, "num_stages": 3,
+                    "threads": 128, "dequant": "bits"}
+        if M <= 256:
+            return {"block_M": 64, "block_N": 128, "block_K": 128, "num_stages": 3,
+                    "threads": 128, "dequant": "bits"}
+        return {"block_M": 128, "block_N": 256, "block_K": 64, "num_stages": 3, "threads": 256,
+                "dequant": "bits"}
+
+    def check_config(self, problem: Mxfp4Problem, config: Config, target: Target) -> str | None:
+        bk = config["block_K"]
+        if bk % BLOCK:
+            return f"block_K {bk} is not a multiple of the scale block ({BLOCK})"
+        if target.kind == "cpu":
+            return None
+        bm, bn = config["block_M"], config["block_N"]
+        threads, stages = config["threads"], config["num_stages"]
+        esize = DTYPE_SIZES[problem.dtype]
+        per_stage = bm * bk * esize + bn * bk // 2 + bn * bk // BLOCK + bn * bk * esize
+        smem = max(stages, 1) * per_stage + 64
+        limit = smem_limit(target.arch) if target.kind == "cuda" else _SMEM_OTHER[target.kind]
+        if smem > limit:
+            return f"shared memory {smem // 1024} KiB > {limit // 1024} KiB"
+        if bm * bn // threads > 128:
+            return f"{bm * bn // threads} accumulators per thread (> 128 registers)"
+        if target.arch.startswith("sm_90") and bm >= 64 and bm % (64 * (threads // 128)):
+            return f"wgmma needs block_M a multiple of 64 per warpgroup ({threads // 128})"
+        if target.kind == "cuda" and bm < 64 and threads != 128:
+            return f"block_M {bm} (mma tiles) takes 128 threads"
+        return None
+
+    # ---- kernels --------------------------------------------------------------------------------
+    def build(self, problem: Mxfp4Problem, config: Config, target: Target) -> Any:
+        _, N, K, dtype = problem
+        if target.kind == "cpu":
+            return kernels.cpu_program(N, K, dtype, **config)
+        return kernels.gpu_program(N, K, dtype, **config)
+
+    def kernel_hash(self) -> str:
+        return kernel_hash(self.kernel_module)
+
+    def adapt(self, kernel: Any, target: Target) -> Any:
+        return BitsAdapter(kernel) if target.kind == "cpu" else kernel
+
+    def launch(self, kernel, args: tuple, out: torch.Tensor | None = None) -> torch.Tensor:
+        a, w = args
+        c = out if out is not None else a.new_empty((a.shape[0], w.fp4.shape[0]))
+        kernel(a, w.fp4, w.scale, c)
+        return c
+
+    def launch_baseline(self, args: tuple) -> torch.Tensor:
+        a, w = args
+        return torch.matmul(a, w.dense(a.dtype).t())
+
+    # ---- inputs, reference, roofline ------------------------------------------------------------
+    def make_inputs(self, problem: Mxfp4Problem, device: torch.device, seed: int = 0,
+                    sizes: dict[str, int] | None = None) -> tuple:
+        M = (sizes or {}).get("M", problem.M)
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        a = torch.randn(M, problem.K, generator=gen).to(device=device, dtype=DTYPES[problem.dtype])
+        w = torch.randn(problem.N, problem.K, generator=gen).to(device)
+        return (a, *quantize_mxfp4(w))
+
+    def reference(self, inputs: tuple) -> torch.Tensor:
+        a, w_fp4, w_scale = inputs
+        return a.double() @ dequantize_mxfp4(w_fp4, w_scale, torch.float64).t()
+
+    def flops(self, problem: Mxfp4Problem) -> float:
+        return 2.0 * problem.M * problem.N * problem.K
+
+    def bytes_moved(self, problem: Mxfp4Problem) -> float:
+        M, N, K = problem.M, problem.N, problem.K
+        esize = DTYPE_SIZES[problem.dtype]
+        return M * K * esize + N * K // 2 + N * K // BLOCK + M * N * esize
+
+
+MXFP4_GEMM = Mxfp4GemmSpec()
