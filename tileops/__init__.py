@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from .dispatch import reset
 from .ops import SPECS, get_spec
+from .ops.attention import flash_attention
 from .ops.gemm import gemm
+from .ops.mxfp4 import dequantize_mxfp4, mxfp4_gemm, quantize_mxfp4
 from .target import Target, target_of
 from .version import __version__
 
-__all__ = ["SPECS", "Target", "__version__", "gemm", "get_spec", "reset", "target_of"]
+__all__ = ["SPECS", "Target", "__version__", "dequantize_mxfp4", "gemm", "get_spec",
+           "mxfp4_gemm", "quantize_mxfp4", "reset", "target_of"]

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from ..spec import OpSpec
+from .attention import ATTENTION
 from .gemm import GEMM
+from .mxfp4 import MXFP4_GEMM
 
-SPECS: dict[str, OpSpec] = {spec.name: spec for spec in (GEMM,)}
+SPECS: dict[str, OpSpec] = {spec.name: spec for spec in (GEMM, MXFP4_GEMM)}
 
 
 def get_spec(name: str) -> OpSpec:
