@@ -11,7 +11,8 @@ floor(log2(amax)) - 2 (2 being the largest E2M1 exponent), clamped to the E8M0 r
 element w / 2^shared is rounded to the nearest E2M1 value, ties to even, saturating at +-6.
 Choices the spec leaves open: an all-zero block gets e = 0 (scale 2^-127, the smallest; any scale
 decodes it to zeros); a block holding NaN or +-Inf gets the NaN scale (e = 255) and zero codes;
-negative values that round to zero are stored as +0.
+negative values that round to zero are stored as +0. The arithmetic is fp32 (fp64 for a float64
+weight, whose exponents can exceed fp32's and are clamped to E8M0's instead of overflowing).
 
 These are plain torch functions: vectorised, on whatever device the tensors live.
 """
@@ -40,14 +41,14 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     N, K = w.shape
     if K % BLOCK:
         raise ValueError(f"quantize_mxfp4: K = {K} is not a multiple of {BLOCK} (the MX block)")
-    x = w.float().reshape(N, K // BLOCK, BLOCK)
+    x = (w.double() if w.dtype == torch.float64 else w.float()).reshape(N, K // BLOCK, BLOCK)
     finite = torch.isfinite(x).all(-1, keepdim=True)
     x = torch.where(finite, x, 0.0)
     amax = x.abs().amax(-1, keepdim=True)
     _, exp = torch.frexp(amax)  # amax = m * 2^exp, m in [0.5, 1): floor(log2(amax)) = exp - 1
     shared = (exp - 1 - E2M1_EMAX).clamp(-E8M0_BIAS, E8M0_BIAS)
     shared = torch.where(amax > 0, shared, -E8M0_BIAS)
-    v = (x * torch.exp2(-shared.float())).abs().clamp_max(6.0)  # exact: a power-of-two scaling
+    v = (x * torch.exp2(-shared.to(x.dtype))).abs().clamp_max(6.0)  # exact: a power of two
     # Round half to even on the grid: spacing 0.5 below 2, 1 below 4, 2 up to 6. The multiple
     # of the spacing has the parity of the code, so torch.round's ties-to-even is the spec's.
     step = torch.where(v < 2, 0.5, torch.where(v < 4, 1.0, 2.0))
@@ -62,12 +63,18 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_mxfp4(w_fp4: torch.Tensor, w_scale: torch.Tensor,
                      dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Decode packed MXFP4 to an (N, K) tensor of `dtype` (exact in fp32 and bf16)."""
+    """Decode packed MXFP4 to an (N, K) tensor of `dtype`.
+
+    Exact wherever `dtype` can hold the value: products of an E2M1 value and a power of two are
+    formed in fp32 (fp64 for a float64 result, which is exact even for 6 * 2^127).
+    """
     N, K = check_packed(w_fp4, w_scale, "dequantize_mxfp4")
+    work = torch.float64 if dtype == torch.float64 else torch.float32
     codes = torch.stack((w_fp4 & 15, w_fp4 >> 4), dim=-1).reshape(N, K).long()
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=w_fp4.device)
+    table = torch.tensor(E2M1_VALUES, dtype=work, device=w_fp4.device)
     values = table[codes].reshape(N, K // BLOCK, BLOCK)
-    return (values * scale_values(w_scale).unsqueeze(-1)).reshape(N, K).to(dtype)
+    scales = scale_values(w_scale).to(work).unsqueeze(-1)
+    return (values * scales).reshape(N, K).to(dtype)
 
 
 def scale_values(w_scale: torch.Tensor) -> torch.Tensor:
