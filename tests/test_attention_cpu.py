@@ -1,0 +1,179 @@
+"""FlashAttention forward on the CPU target: real TileLang kernels against a float64 reference.
+
+Few distinct kernels (each CPU compile costs seconds): the kernel is dynamic in batch and both
+sequence lengths, so every shape below with the same heads, head_dim, causal flag and dtype
+shares one compiled kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import rel_error
+
+import tileops
+from tileops import dispatch
+from tileops.ops.attention import ATTENTION
+from tileops.target import Target, target_of
+
+CPU = torch.device("cpu")
+
+
+def check(out: torch.Tensor, lse: torch.Tensor, ref: tuple, tol: float) -> None:
+    ref_out, ref_lse = ref
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert rel_error(out, ref_out) < tol
+    masked = torch.isinf(ref_lse)  # queries that see no key: lse -inf, output 0
+    assert torch.equal(torch.isneginf(lse), masked)
+    assert (out.transpose(1, 2)[masked] == 0).all()
+    if (~masked).any():
+        assert (lse[~masked].double() - ref_lse[~masked]).abs().max() < 10 * tol
+
+
+@pytest.mark.parametrize(
+    ("B", "Sq", "Skv", "Hq", "Hkv", "D", "causal", "dtype"),
+    [
+        (2, 37, 70, 4, 2, 64, False, "float32"),   # odd lengths, seqlen_q < seqlen_kv, GQA
+        (1, 70, 37, 4, 2, 64, False, "float32"),   # seqlen_q > seqlen_kv
+        (2, 37, 70, 4, 2, 64, True, "float32"),    # causal, bottom-right aligned
+        (1, 70, 37, 4, 2, 64, True, "float32"),    # causal: the first 33 queries see nothing
+        (3, 1, 1, 4, 2, 64, True, "float32"),      # seqlen 1
+        (1, 1, 50, 4, 2, 64, True, "float32"),     # one query (decode) sees every key
+        (2, 33, 33, 4, 1, 64, True, "bfloat16"),   # MQA
+        (1, 20, 45, 2, 2, 128, False, "float16"),  # head_dim 128, MHA
+    ],
+)
+def test_matches_float64_reference(B, Sq, Skv, Hq, Hkv, D, causal, dtype):
+    problem = ATTENTION.Problem(B, Sq, Skv, Hq, Hkv, D, causal, dtype)
+    q, k, v, _ = ATTENTION.make_inputs(problem, CPU, seed=Sq * 100 + Skv)
+    out, lse = tileops.flash_attention(q, k, v, causal=causal, return_lse=True)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (B, Hq, Sq) and lse.dtype == torch.float32
+    check(out, lse, ATTENTION.reference((q, k, v, causal)), ATTENTION.tolerance(problem))
+
+
+def test_softmax_scale_and_plain_output():
+    q, k, v = torch.randn(1, 9, 4, 64), torch.randn(1, 12, 2, 64), torch.randn(1, 12, 2, 64)
+    out = tileops.flash_attention(q, k, v, softmax_scale=0.3)
+    assert isinstance(out, torch.Tensor)
+    ref_out, _ = ATTENTION.reference((q, k, v, False, 0.3))
+    assert rel_error(out, ref_out) < 1e-5
+
+
+def test_every_element_written_after_nan_poisoning():
+    # spec.launch takes `out` as the pair (O, LSE): both are NaN-filled and must be overwritten.
+    target = target_of(CPU)
+    problem = ATTENTION.Problem(2, 64, 64, 4, 2, 64, True, "float32")
+    kernel = dispatch.compile_kernel(ATTENTION, problem, {"block_M": 16, "block_N": 32}, target)
+    for Sq, Skv in [(45, 19), (17, 64), (64, 33)]:
+        inputs = ATTENTION.make_inputs(problem, CPU, seed=Sq, sizes={"seqlen_q": Sq,
+                                                                     "seqlen_kv": Skv})
+        call = ATTENTION.prepare(*inputs)
+        out = (torch.full((2, Sq, 4, 64), math.nan), torch.full((2, 4, Sq), math.nan))
+        result = ATTENTION.launch(kernel, call.args, out=out)
+        assert result[0] is out[0] and result[1] is out[1]
+        check(*out, ATTENTION.reference(inputs), 1e-5)
+
+
+def test_dynamic_lengths_one_kernel():
+    before = len(dispatch._kernels)
+    for B, Sq, Skv in [(1, 5, 7), (2, 40, 9), (3, 100, 129)]:  # several buckets, one kernel
+        q, k, v = torch.randn(B, Sq, 4, 64), torch.randn(B, Skv, 2, 64), torch.randn(B, Skv, 2, 64)
+        out = tileops.flash_attention(q, k, v)
+        assert rel_error(out, ATTENTION.reference((q, k, v, False))[0]) < 1e-5
+    assert len(dispatch._kernels) <= before + 1
+    problems = {p for (name, _, p) in dispatch.DISPATCHER.choices if name == "attention"}
+    assert {(p.seqlen_q, p.seqlen_kv) for p in problems} >= {(8, 8), (64, 16), (128, 256)}
+
+
+def test_non_contiguous_heads_are_copied():
+    base = torch.randn(1, 4, 11, 64)  # (b, h, s, d) memory: the (b, s, h, d) view is strided
+    q = k = v = base.transpose(1, 2)
+    out = tileops.flash_attention(q, k, v)
+    assert rel_error(out, ATTENTION.reference((q, k, v, False))[0]) < 1e-5
+
+
+def test_baseline_matches_reference():
+    problem = ATTENTION.Problem(1, 16, 24, 4, 2, 64, True, "float32")
+    inputs = ATTENTION.make_inputs(problem, CPU, seed=1, sizes={"seqlen_q": 13, "seqlen_kv": 9})
+    out, lse = ATTENTION.launch_baseline(ATTENTION.prepare(*inputs).args)
+    check(out, lse, ATTENTION.reference(inputs), 1e-5)
+
+
+def _t(*shape, dtype=torch.float32, device="cpu"):
+    return torch.randn(*shape, dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize(
+    ("args", "exc", "match"),
+    [
+        ((_t(1, 4, 2, 64), _t(1, 4, 2, 128), _t(1, 4, 2, 128)), ValueError, "head dims"),
+        ((_t(1, 4, 3, 64), _t(1, 4, 2, 64), _t(1, 4, 2, 64)), ValueError, "multiple of heads_kv"),
+        ((_t(1, 4, 2, 64), _t(1, 4, 2, 64, dtype=torch.float16), _t(1, 4, 2, 64)), TypeError,
+         "must match"),
+        ((_t(1, 4, 2, 64, dtype=torch.float64),) * 3, TypeError, "float64"),
+        ((_t(4, 2, 64),) * 3, ValueError, "4-D"),
+        ((_t(1, 4, 2, 96),) * 3, ValueError, "head_dim 96"),
+        ((_t(1, 4, 2, 64), _t(1, 5, 2, 64), _t(1, 6, 2, 64)), ValueError, "k and v shapes"),
+        ((_t(1, 4, 2, 64), _t(2, 4, 2, 64), _t(2, 4, 2, 64)), ValueError, "batch sizes"),
+        ((_t(1, 0, 2, 64),) * 3, ValueError, "empty"),
+        ((_t(1, 4, 2, 64), _t(1, 4, 2, 64, device="meta"), _t(1, 4, 2, 64)), ValueError,
+         "different devices"),
+        ((_t(1, 4, 2, 128)[..., ::2],) * 3, ValueError, "contiguous"),
+        ((_t(1, 4, 2, 64), [[1.0]], _t(1, 4, 2, 64)), TypeError, "tensors"),
+    ],
+)
+def test_bad_input_is_refused_clearly(args, exc, match):
+    with pytest.raises(exc, match=match):
+        tileops.flash_attention(*args)
+
+
+def test_metal_is_refused():
+    metal = Target("metal", "", "Apple M2")
+    problem = ATTENTION.Problem(1, 128, 128, 8, 8, 64, False, "float16")
+    with pytest.raises(ValueError, match="Metal"):
+        ATTENTION.space(metal)
+    with pytest.raises(ValueError, match="Metal"):
+        ATTENTION.default_config(problem, metal)
+    with pytest.raises(ValueError, match="Metal"):
+        ATTENTION.build(problem, {"block_M": 64, "block_N": 64}, metal)
+
+
+def test_parse_problem():
+    p = ATTENTION.parse_problem("8x4096x4096x32x8x128:causal", "bfloat16")
+    assert p == ATTENTION.Problem(8, 4096, 4096, 32, 8, 128, True, "bfloat16")
+    assert ATTENTION.parse_problem("2x1000x64x128", "float16") == ATTENTION.Problem(
+        2, 1024, 1024, 64, 64, 128, False, "float16")
+    for bad in ("8x4096x32x8x128", "2x16x16x3x2x64", "2x16x16x4x2x96", "2x16x16x4x2x64:c"):
+        with pytest.raises(ValueError, match="attention shape"):
+            ATTENTION.parse_problem(bad, "bfloat16")
+
+
+def test_flops_and_bytes():
+    p = ATTENTION.Problem(2, 1024, 1024, 32, 8, 128, False, "bfloat16")
+    assert ATTENTION.flops(p) == 4 * 2 * 32 * 1024 * 1024 * 128
+    causal = ATTENTION.flops(p._replace(causal=True))
+    assert causal == 4 * 2 * 32 * 128 * 1024 * 1025 / 2
+    # seqlen_q < seqlen_kv: query i sees i + 1 + (Skv - Sq) keys
+    assert ATTENTION.flops(p._replace(seqlen_q=2, seqlen_kv=4, causal=True)) == \
+        4 * 2 * 32 * 128 * (3 + 4)
+    assert ATTENTION.flops(p._replace(seqlen_q=4, seqlen_kv=2, causal=True)) == \
+        4 * 2 * 32 * 128 * (1 + 2)
+    assert ATTENTION.bytes_moved(p) == 2 * (2 * 2 * 1024 * 32 * 128 + 2 * 2 * 1024 * 8 * 128) + \
+        4 * 2 * 32 * 1024
+
+
+def test_under_torch_compile_and_custom_op():
+    k, v = torch.randn(1, 10, 2, 64), torch.randn(1, 10, 2, 64)
+
+    def layer(q):
+        return tileops.flash_attention(q, k, v, causal=True) * 2
+
+    q = torch.randn(1, 10, 4, 64)
+    compiled = torch.compile(layer, fullgraph=True)
+    ref = ATTENTION.reference((q, k, v, True))[0] * 2
+    assert rel_error(compiled(q), ref) < 1e-5
+    out, lse = torch.ops.tileops.attention(q, k, v, True)
+    assert rel_error(out * 2, ref) < 1e-5 and lse.shape == (1, 4, 10)

@@ -1,0 +1,196 @@
+"""FlashAttention forward tile programs: O = softmax(Q K^T * scale + mask) V, and its log-sum-exp.
+
+Layout: Q and O (batch, seqlen_q, heads_q, head_dim), K and V (batch, seqlen_kv, heads_kv,
+head_dim), LSE (batch, heads_q, seqlen_q) fp32. Query head h reads KV head h // (heads_q //
+heads_kv) (GQA/MQA). batch, seqlen_q and seqlen_kv are dynamic dimensions: one compiled kernel
+serves every size. The causal mask is aligned to the bottom-right corner (query i sees keys
+j <= i + seqlen_kv - seqlen_q); a query that sees no key gets O = 0 and LSE = -inf.
+
+Each program instance owns block_M queries of one head and streams KV in blocks of block_N with
+the FlashAttention-2 online softmax: a running row max m and row sum l in fp32, the accumulator
+rescaled by exp2(m_old - m_new) when the max grows. Scores are kept in log2 units (log2(e) is
+folded into the softmax scale) so that every exponential is an exp2. Under the causal mask the KV
+loop stops at the last block the query block can see.
+"""
+
+# No `from __future__ import annotations`: TileLang evaluates the prim_func annotations, which
+# refer to closure variables.
+import math
+
+import tilelang.cpu.language as TC
+import tilelang.language as T
+
+from ..common import ACCUM, bits, from_f32, to_f32
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def _kv_blocks(q_start, block_M: int, block_N: int, seqlen_q, seqlen_kv, causal: bool):
+    """How many KV blocks a query block starting at `q_start` must visit."""
+    total = T.ceildiv(seqlen_kv, block_N)
+    if not causal:
+        return total
+    # The block's last query sees keys up to q_start + block_M - 1 + seqlen_kv - seqlen_q.
+    last = q_start + block_M + seqlen_kv - seqlen_q
+    return T.max(T.min(total, T.ceildiv(T.max(last, 0), block_N)), 0)
+
+
+def _visible(query, key, seqlen_q, seqlen_kv, causal: bool):
+    if causal:
+        return T.And(key < seqlen_kv, key <= query + seqlen_kv - seqlen_q)
+    return key < seqlen_kv
+
+
+def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype: str, *,
+                block_M: int, block_N: int, num_stages: int, threads: int):
+    """The GPU tile program: T.gemm for Q K^T and P V (wgmma on sm_90a), pipelined KV loads."""
+    batch, seqlen_q, seqlen_kv = T.dynamic("batch"), T.dynamic("seqlen_q"), T.dynamic("seqlen_kv")
+    group = heads_q // heads_kv
+    scale = head_dim ** -0.5 * LOG2E
+    q_shape = (batch, seqlen_q, heads_q, head_dim)
+    kv_shape = (batch, seqlen_kv, heads_kv, head_dim)
+    neg_inf = -T.infinity(ACCUM)
+
+    @T.prim_func
+    def flash_attention(Q: T.Tensor(q_shape, dtype), K: T.Tensor(kv_shape, dtype),
+                        V: T.Tensor(kv_shape, dtype), O: T.Tensor(q_shape, dtype),
+                        LSE: T.Tensor((batch, heads_q, seqlen_q), ACCUM)):
+        with T.Kernel(T.ceildiv(seqlen_q, block_M), heads_q, batch, threads=threads) as (
+                bx, head, b):
+            Q_s = T.alloc_shared((block_M, head_dim), dtype)
+            K_s = T.alloc_shared((block_N, head_dim), dtype)
+            V_s = T.alloc_shared((block_N, head_dim), dtype)
+            O_s = T.alloc_shared((block_M, head_dim), dtype)
+            S = T.alloc_fragment((block_M, block_N), ACCUM)
+            P = T.alloc_fragment((block_M, block_N), dtype)
+            acc = T.alloc_fragment((block_M, head_dim), ACCUM)
+            m = T.alloc_fragment((block_M,), ACCUM)
+            m_prev = T.alloc_fragment((block_M,), ACCUM)
+            m_safe = T.alloc_fragment((block_M,), ACCUM)
+            alpha = T.alloc_fragment((block_M,), ACCUM)
+            l = T.alloc_fragment((block_M,), ACCUM)  # noqa: E741
+            row_sum = T.alloc_fragment((block_M,), ACCUM)
+
+            q0 = bx * block_M
+            kv_head = head // group
+            T.copy(Q[b, q0:q0 + block_M, head, :], Q_s)
+            T.fill(acc, 0)
+            T.fill(l, 0)
+            T.fill(m, neg_inf)
+            for kb in T.Pipelined(_kv_blocks(q0, block_M, block_N, seqlen_q, seqlen_kv, causal),
+                                  num_stages=num_stages):
+                T.copy(K[b, kb * block_N:(kb + 1) * block_N, kv_head, :], K_s)
+                T.clear(S)
+                T.gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                for i, j in T.Parallel(block_M, block_N):
+                    S[i, j] = T.if_then_else(
+                        _visible(q0 + i, kb * block_N + j, seqlen_q, seqlen_kv, causal),
+                        S[i, j] * scale, neg_inf)
+                T.copy(m, m_prev)
+                T.reduce_max(S, m, dim=1, clear=False)
+                for i in T.Parallel(block_M):
+                    # A row with no visible key yet keeps m = -inf; subtract 0 instead (no NaN).
+                    m_safe[i] = T.if_then_else(m[i] == neg_inf, 0, m[i])
+                    alpha[i] = T.exp2(m_prev[i] - m_safe[i])
+                for i, j in T.Parallel(block_M, block_N):
+                    S[i, j] = T.exp2(S[i, j] - m_safe[i])
+                T.reduce_sum(S, row_sum, dim=1)
+                for i in T.Parallel(block_M):
+                    l[i] = l[i] * alpha[i] + row_sum[i]
+                T.copy(S, P)
+                for i, j in T.Parallel(block_M, head_dim):
+                    acc[i, j] *= alpha[i]
+                T.copy(V[b, kb * block_N:(kb + 1) * block_N, kv_head, :], V_s)
+                T.gemm(P, V_s, acc, policy=T.GemmWarpPolicy.FullRow)
+            for i, j in T.Parallel(block_M, head_dim):
+                acc[i, j] = T.if_then_else(l[i] > 0, acc[i, j] / l[i], 0)
+            T.copy(acc, O_s)
+            T.copy(O_s, O[b, q0:q0 + block_M, head, :])
+            for i in T.Parallel(block_M):
+                if q0 + i < seqlen_q:
+                    LSE[b, head, q0 + i] = T.if_then_else(l[i] > 0, (m[i] + T.log2(l[i])) * LN2,
+                                                          neg_inf)
+
+    return flash_attention
+
+
+def cpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype: str, *,
+                block_M: int, block_N: int):
+    """The CPU form of the same tile program, for TileLang's C target.
+
+    Same blocking and online softmax as the GPU program, with fp32 local tiles, scalar loops for
+    the two products and bounds checks in place of the GPU's zero-filling copies.
+    """
+    batch, seqlen_q, seqlen_kv = TC.dynamic("batch"), TC.dynamic("seqlen_q"), \
+        TC.dynamic("seqlen_kv")
+    group = heads_q // heads_kv
+    scale = head_dim ** -0.5 * LOG2E
+    q_shape = (batch, seqlen_q, heads_q, head_dim)
+    kv_shape = (batch, seqlen_kv, heads_kv, head_dim)
+    neg_inf = -TC.infinity(ACCUM)
+    D = head_dim
+
+    @TC.prim_func
+    def flash_attention(Q: TC.Tensor(q_shape, bits(dtype)), K: TC.Tensor(kv_shape, bits(dtype)),
+                        V: TC.Tensor(kv_shape, bits(dtype)), O: TC.Tensor(q_shape, bits(dtype)),
+                        LSE: TC.Tensor((batch, heads_q, seqlen_q), ACCUM)):
+        with TC.Kernel(TC.ceildiv(seqlen_q, block_M), heads_q, batch) as (bx, head, b):
+            q = TC.alloc_local((block_M, D), ACCUM)
+            k = TC.alloc_local((block_N, D), ACCUM)
+            v = TC.alloc_local((block_N, D), ACCUM)
+            s = TC.alloc_local((block_M, block_N), ACCUM)
+            acc = TC.alloc_local((block_M, D), ACCUM)
+            m = TC.alloc_local((block_M,), ACCUM)
+            m_safe = TC.alloc_local((block_M,), ACCUM)
+            alpha = TC.alloc_local((block_M,), ACCUM)
+            l = TC.alloc_local((block_M,), ACCUM)  # noqa: E741
+
+            q0 = bx * block_M
+            kv_head = head // group
+            for i, d in TC.grid(block_M, D):
+                q[i, d] = TC.if_then_else(q0 + i < seqlen_q, to_f32(Q[b, q0 + i, head, d], dtype),
+                                          0.0)
+                acc[i, d] = 0.0
+            for i in TC.serial(block_M):
+                m[i] = neg_inf
+                l[i] = 0.0
+            for kb in TC.serial(_kv_blocks(q0, block_M, block_N, seqlen_q, seqlen_kv, causal)):
+                k0 = kb * block_N
+                for j, d in TC.grid(block_N, D):
+                    k[j, d] = TC.if_then_else(k0 + j < seqlen_kv,
+                                              to_f32(K[b, k0 + j, kv_head, d], dtype), 0.0)
+                    v[j, d] = TC.if_then_else(k0 + j < seqlen_kv,
+                                              to_f32(V[b, k0 + j, kv_head, d], dtype), 0.0)
+                for i, j in TC.grid(block_M, block_N):
+                    s[i, j] = 0.0
+                for i, j, d in TC.grid(block_M, block_N, D):
+                    s[i, j] += q[i, d] * k[j, d]
+                for i in TC.serial(block_M):
+                    alpha[i] = m[i]  # the previous max, until it becomes the rescale factor
+                    for j in TC.serial(block_N):
+                        s[i, j] = TC.if_then_else(
+                            _visible(q0 + i, k0 + j, seqlen_q, seqlen_kv, causal),
+                            s[i, j] * scale, neg_inf)
+                        m[i] = TC.max(m[i], s[i, j])
+                    m_safe[i] = TC.if_then_else(m[i] == neg_inf, 0.0, m[i])
+                    alpha[i] = TC.exp2(alpha[i] - m_safe[i])
+                    l[i] = l[i] * alpha[i]
+                    for j in TC.serial(block_N):
+                        s[i, j] = TC.exp2(s[i, j] - m_safe[i])
+                        l[i] += s[i, j]
+                for i, d in TC.grid(block_M, D):
+                    acc[i, d] *= alpha[i]
+                for i, j, d in TC.grid(block_M, block_N, D):
+                    acc[i, d] += s[i, j] * v[j, d]
+            # Element by element: the C backend's vectorised fp16 cast is broken.
+            for i, d in TC.grid(block_M, D):
+                if q0 + i < seqlen_q:
+                    O[b, q0 + i, head, d] = from_f32(
+                        TC.if_then_else(l[i] > 0, acc[i, d] / l[i], 0.0), dtype)
+            for i in TC.serial(block_M):
+                if q0 + i < seqlen_q:
+                    LSE[b, head, q0 + i] = TC.if_then_else(
+                        l[i] > 0, (m[i] + TC.log2(l[i])) * LN2, neg_inf)
+
+    return flash_attention

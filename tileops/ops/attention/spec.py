@@ -1,0 +1,305 @@
+"""FlashAttention forward: O = softmax(Q K^T * scale + causal mask) V and its log-sum-exp.
+
+Problem key: (batch, seqlen_q bucket, seqlen_kv bucket, heads_q, heads_kv, head_dim, causal,
+dtype). Both sequence lengths are bucketed by `pow2_bucket` and, like batch, are dynamic in the
+compiled kernel: one kernel per (heads, head_dim, causal, dtype, config) serves every batch and
+length, so a new length never recompiles. Batch stays in the key unbucketed (tuning records for
+batch 1 and 8 may differ) but not in the kernel.
+
+Command-line syntax (`parse_problem`, `tileops-tune --shape`): `BxSQxSKVxHQxHKVxD`, with `:causal`
+appended for the causal mask, e.g. `8x4096x4096x32x8x128:causal`; `BxSxHxD` is the short form for
+seqlen_q = seqlen_kv and heads_q = heads_kv.
+
+The baseline is `torch.nn.functional.scaled_dot_product_attention` on the (batch, heads, seq, dim)
+transposes with `enable_gqa`, restricted to cuDNN attention on CUDA (`BASELINE_BACKENDS`). SDPA
+does not return the log-sum-exp, so the baseline computes it in a second pass (an extra Q K^T):
+tuned records' baseline times include that pass.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, NamedTuple
+
+import torch
+
+from ...spec import Call, Config, OpSpec, pow2_bucket
+from ...target import Target
+from ..common import DTYPE_NAMES, DTYPE_SIZES, DTYPES, BitsAdapter, dtype_name, kernel_hash
+from . import kernels
+
+SUPPORTED = {"cuda": ("float16", "bfloat16"), "cpu": ("float32", "float16", "bfloat16")}
+HEAD_DIMS = (64, 128, 256)
+_ACCEPTED = {(DTYPES[name], kind == "cuda") for kind, names in SUPPORTED.items() for name in names}
+# Shared memory a CUDA thread block may use, by arch family (bytes).
+_SMEM_LIMIT = {"sm_90": 227 * 1024, "sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024}
+_NO_METAL = ("flash_attention has no Metal kernel: TileLang cannot lower its row reductions "
+             "(online softmax) for Metal")
+
+
+# The SDPA backends (`torch.nn.attention.SDPBackend` names) the baseline may use on CUDA: the
+# hook to set when comparing against another backend (e.g. ["FLASH_ATTENTION"]).
+BASELINE_BACKENDS = ["CUDNN_ATTENTION"]
+
+
+class AttentionProblem(NamedTuple):
+    batch: int
+    seqlen_q: int
+    seqlen_kv: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    causal: bool
+    dtype: str
+
+
+class AttentionSpec(OpSpec):
+    name = "attention"
+    Problem = AttentionProblem
+    bucketed = ("seqlen_q", "seqlen_kv")
+    categorical = ("heads_q", "heads_kv", "head_dim", "causal", "dtype")
+    baseline_name = "torch scaled_dot_product_attention (cuDNN on CUDA)"
+    kernel_module = kernels.__name__
+
+    # ---- problems -------------------------------------------------------------------------------
+    def prepare(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                softmax_scale: float | None = None) -> Call:
+        try:
+            (B, Sq, Hq, D), (Bk, Skv, Hkv, Dk) = q.shape, k.shape
+            dtype = q.dtype
+            ok = (k.shape == v.shape and Bk == B and Dk == D and D in HEAD_DIMS and B and Sq
+                  and Skv and Hkv and Hq % Hkv == 0 and dtype is k.dtype and dtype is v.dtype
+                  and (dtype, q.is_cuda) in _ACCEPTED and q.device == k.device == v.device
+                  and q.stride(3) == 1 and k.stride(3) == 1 and v.stride(3) == 1)
+        except (AttributeError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            self._refuse(q, k, v)
+        # The kernels index (b, s, h, d) densely: copy other layouts.
+        q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))
+        if softmax_scale is not None and softmax_scale != D ** -0.5:
+            # The kernels bake in 1/sqrt(head_dim); another scale is folded into q.
+            q = q * (softmax_scale * D ** 0.5)
+        problem = AttentionProblem(B, 1 << (Sq - 1).bit_length(), 1 << (Skv - 1).bit_length(),
+                                   Hq, Hkv, D, bool(causal), DTYPE_NAMES[dtype])
+        return Call(q.device, problem, (q, k, v, bool(causal)))
+
+    def _refuse(self, q: Any, k: Any, v: Any) -> None:
+        """Raise the clear error for a call that `prepare`'s fast checks rejected."""
+        if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+            raise TypeError("flash_attention expects tensors q, k, v; got "
+                            f"{', '.join(type(t).__name__ for t in (q, k, v))}")
+        shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+            raise ValueError("flash_attention expects 4-D q (batch, seqlen_q, heads_q, head_dim) "
+                             f"and k, v (batch, seqlen_kv, heads_kv, head_dim); got {shapes}")
+        if q.device.type == "mps":
+            raise ValueError(_NO_METAL)
+        if not q.device == k.device == v.device:
+            raise ValueError(f"flash_attention: q, k, v on different devices ({q.device}, "
+                             f"{k.device}, {v.device})")
+        if not q.dtype == k.dtype == v.dtype:
+            raise TypeError(f"flash_attention: q, k, v have dtypes {dtype_name(q.dtype)}, "
+                            f"{dtype_name(k.dtype)}, {dtype_name(v.dtype)}; they must match")
+        kind = "cuda" if q.is_cuda else "cpu"
+        if kind not in SUPPORTED or q.device.type not in ("cuda", "cpu"):
+            raise ValueError(f"flash_attention runs on CUDA and CPU tensors, not {q.device}")
+        if dtype_name(q.dtype) not in SUPPORTED[kind]:
+            raise TypeError(f"flash_attention on {kind}: dtype {dtype_name(q.dtype)} is not "
+                            f"supported (allowed: {', '.join(SUPPORTED[kind])})")
+        if k.shape != v.shape:
+            raise ValueError(f"flash_attention: k and v shapes differ ({shapes})")
+        (B, Sq, Hq, D), (Bk, Skv, Hkv, Dk) = q.shape, k.shape
+        if Bk != B:
+            raise ValueError(f"flash_attention: batch sizes differ ({shapes})")
+        if Dk != D:
+            raise ValueError(f"flash_attention: head dims differ ({shapes})")
+        if D not in HEAD_DIMS:
+            raise ValueError(f"flash_attention: head_dim {D} is not supported (allowed: "
+                             f"{', '.join(map(str, HEAD_DIMS))})")
+        if min(B, Sq, Skv, Hq, Hkv) == 0:
+            raise ValueError(f"flash_attention: empty input ({shapes}); all sizes must be >= 1")
+        if Hq % Hkv:
+            raise ValueError(f"flash_attention: heads_q ({Hq}) must be a multiple of heads_kv "
+                             f"({Hkv})")
+        raise ValueError("flash_attention: the last dimension (head_dim) of q, k and v must be "
+                         "contiguous (stride 1); strides are "
+                         f"{q.stride()}, {k.stride()}, {v.stride()}")
+
+    def parse_problem(self, text: str, dtype: str) -> AttentionProblem:
+        match = re.fullmatch(r"\s*(\d+(?:x\d+){3}|\d+(?:x\d+){5})(:causal)?\s*", text)
+        if not match:
+            raise ValueError(f"bad attention shape {text!r}: expected BxSQxSKVxHQxHKVxD or "
+                             "BxSxHxD, optionally followed by :causal")
+        if dtype not in DTYPES:
+            raise ValueError(f"bad dtype {dtype!r} for flash_attention: expected one of "
+                             f"{', '.join(DTYPES)}")
+        sizes = [int(x) for x in match.group(1).split("x")]
+        if len(sizes) == 4:
+            B, S, H, D = sizes
+            sizes = [B, S, S, H, H, D]
+        B, Sq, Skv, Hq, Hkv, D = sizes
+        if min(sizes) < 1 or Hq % Hkv or D not in HEAD_DIMS:
+            raise ValueError(f"bad attention shape {text!r}: sizes must be >= 1, heads_q a "
+                             f"multiple of heads_kv and head_dim one of {HEAD_DIMS}")
+        return AttentionProblem(B, pow2_bucket(Sq), pow2_bucket(Skv), Hq, Hkv, D,
+                                match.group(2) is not None, dtype)
+
+    # ---- configuration --------------------------------------------------------------------------
+    def space(self, target: Target) -> dict[str, list[Any]]:
+        if target.kind == "metal":
+            raise ValueError(_NO_METAL)
+        return super().space(target)
+
+    def default_config(self, problem: AttentionProblem, target: Target) -> Config:
+        if target.kind == "metal":
+            raise ValueError(_NO_METAL)
+        if target.kind == "cpu":
+            return {"block_M": 16, "block_N": 32}
+        D = problem.head_dim
+        if target.kind == "hip":
+            return {"block_M": 64, "block_N": 64, "num_stages": 1, "threads": 256}
+        if D <= 64:
+            return {"block_M": 128, "block_N": 128, "num_stages": 2, "threads": 256}
+        if D <= 128:
+            return {"block_M": 128, "block_N": 128, "num_stages": 2, "threads": 256}
+        return {"block_M": 128, "block_N": 64, "num_stages": 1, "threads": 256}
+
+    def check_config(self, problem: AttentionProblem, config: Config,
+                     target: Target) -> str | None:
+        if target.kind == "cpu":
+            return None
+        bm, bn, D = config["block_M"], config["block_N"], problem.head_dim
+        threads, stages = config["threads"], config["num_stages"]
+        esize = DTYPE_SIZES[problem.dtype]
+        # Q and O tiles, plus K and V tiles per pipeline stage.
+        smem = (2 * bm * D + max(stages, 1) * 2 * bn * D) * esize
+        limit = _SMEM_LIMIT.get(target.arch.rstrip("a"), 99 * 1024) if target.kind == "cuda" \
+            else 64 * 1024
+        if smem > limit:
+            return f"shared memory {smem // 1024} KiB > {limit // 1024} KiB"
+        regs = (bm * D + bm * bn + bm * bn // 2) // threads  # O and S accumulators, P
+        if regs > 192:
+            return f"{regs} accumulator registers per thread (> 192)"
+        if target.arch.startswith("sm_90") and bm % (64 * (threads // 128)) != 0:
+            return f"wgmma needs block_M a multiple of 64 per warpgroup ({threads // 128})"
+        return None
+
+    # ---- kernels --------------------------------------------------------------------------------
+    def build(self, problem: AttentionProblem, config: Config, target: Target) -> Any:
+        if target.kind == "metal":
+            raise ValueError(_NO_METAL)
+        _, _, _, Hq, Hkv, D, causal, dtype = problem
+        if target.kind == "cpu":
+            return kernels.cpu_program(Hq, Hkv, D, causal, dtype, **config)
+        return kernels.gpu_program(Hq, Hkv, D, causal, dtype, **config)
+
+    def kernel_key(self, problem: AttentionProblem) -> tuple:
+        return problem[3:]  # batch and both lengths are dynamic in the kernel
+
+    def kernel_hash(self) -> str:
+        return kernel_hash(self.kernel_module)
+
+    def adapt(self, kernel: Any, target: Target) -> Any:
+        return BitsAdapter(kernel) if target.kind == "cpu" else kernel
+
+    def launch(self, kernel, args: tuple, out: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the kernel; `out`, when given, is the pair (O, LSE) of buffers to write."""
+        q, k, v, _ = args
+        if out is None:
+            B, Sq, Hq, _ = q.shape
+            out = (torch.empty_like(q),
+                   torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device))
+        kernel(q, k, v, out[0], out[1])
+        return out
+
+    def launch_baseline(self, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, causal = args
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        Sq, Skv = q.shape[1], k.shape[1]
+        mask = None
+        if causal and Sq != Skv:  # SDPA's is_causal aligns top-left; ours is bottom-right
+            from torch.nn.attention.bias import causal_lower_right
+
+            mask = causal_lower_right(Sq, Skv)
+        kwargs = {"attn_mask": mask, "is_causal": causal and mask is None,
+                  "enable_gqa": q.shape[2] != k.shape[2]}
+        if q.is_cuda and mask is None:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel([SDPBackend[name] for name in BASELINE_BACKENDS]):
+                out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, **kwargs)
+        else:
+            out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, **kwargs)
+        if mask is not None and Sq > Skv:  # SDPA gives NaN rows where we give zeros
+            out = out.nan_to_num(0.0)
+        return out.transpose(1, 2), _lse(qt, kt, causal)
+
+    # ---- inputs, reference, roofline ------------------------------------------------------------
+    def make_inputs(self, problem: AttentionProblem, device: torch.device, seed: int = 0,
+                    sizes: dict[str, int] | None = None) -> tuple:
+        sizes = sizes or {}
+        Sq, Skv = sizes.get("seqlen_q", problem.seqlen_q), sizes.get("seqlen_kv", problem.seqlen_kv)
+        B, Hq, Hkv, D = problem.batch, problem.heads_q, problem.heads_kv, problem.head_dim
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        dtype = DTYPES[problem.dtype]
+        q, k, v = (torch.randn(B, S, H, D, generator=gen).to(device=device, dtype=dtype)
+                   for S, H in ((Sq, Hq), (Skv, Hkv), (Skv, Hkv)))
+        return (q, k, v, problem.causal)
+
+    def reference(self, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """(O, LSE) in float64; rows with no visible key: O = 0, LSE = -inf."""
+        q, k, v, causal = inputs[:4]
+        scale = inputs[4] if len(inputs) > 4 and inputs[4] is not None else q.shape[3] ** -0.5
+        group = q.shape[2] // k.shape[2]
+        qd, kd, vd = (t.double().cpu().transpose(1, 2) for t in (q, k, v))
+        kd, vd = kd.repeat_interleave(group, 1), vd.repeat_interleave(group, 1)
+        s = qd @ kd.transpose(-1, -2) * scale
+        if causal:
+            s = s.masked_fill(_future(q.shape[1], k.shape[1], s.device), float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+        return (p @ vd).transpose(1, 2), lse
+
+    def flops(self, problem: AttentionProblem) -> float:
+        B, Sq, Skv, Hq, _, D, causal, _ = problem
+        return 4.0 * B * Hq * D * _visible_pairs(Sq, Skv, causal)
+
+    def bytes_moved(self, problem: AttentionProblem) -> float:
+        B, Sq, Skv, Hq, Hkv, D, _, dtype = problem
+        return (2 * B * Sq * Hq * D + 2 * B * Skv * Hkv * D) * DTYPE_SIZES[dtype] + 4 * B * Hq * Sq
+
+    def tolerance(self, problem: AttentionProblem) -> float:
+        return 1e-5 if problem.dtype == "float32" else 1e-2
+
+
+def _future(Sq: int, Skv: int, device: torch.device) -> torch.Tensor:
+    """The keys each query may not see under the bottom-right-aligned causal mask."""
+    i = torch.arange(Sq, device=device)[:, None]
+    j = torch.arange(Skv, device=device)[None, :]
+    return j > i + (Skv - Sq)
+
+
+def _visible_pairs(Sq: int, Skv: int, causal: bool) -> float:
+    """(query, key) pairs the mask leaves: Sq * Skv, or about half of Sq^2 when causal."""
+    if not causal:
+        return float(Sq * Skv)
+    # Query i sees min(Skv, max(0, i + Skv - Sq + 1)) keys.
+    first = max(0, Sq - Skv)  # queries before this see nothing
+    n = Sq - first
+    lo, hi = first + Skv - Sq + 1, Sq - 1 + Skv - Sq + 1
+    return float((lo + hi) * n / 2)
+
+
+def _lse(qt: torch.Tensor, kt: torch.Tensor, causal: bool) -> torch.Tensor:
+    """The log-sum-exp SDPA does not return, in fp32, from (batch, heads, seq, dim) views."""
+    group = qt.shape[1] // kt.shape[1]
+    s = qt.float() @ kt.float().repeat_interleave(group, 1).transpose(-1, -2)
+    s *= qt.shape[-1] ** -0.5
+    if causal:
+        s.masked_fill_(_future(qt.shape[2], kt.shape[2], s.device), float("-inf"))
+    return torch.logsumexp(s, dim=-1)
+
+
+ATTENTION = AttentionSpec()
