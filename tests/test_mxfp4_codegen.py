@@ -1,0 +1,56 @@
+"""The MXFP4 GEMM's GPU tile program lowers without the hardware: CUDA sm_90a (and nvcc), HIP,
+Metal."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from test_codegen import H200, lower
+
+from tileops.ops.mxfp4 import MXFP4_GEMM
+from tileops.target import Target
+
+
+def source(M: int, N: int, K: int, target: Target = H200, **config) -> str:
+    problem = MXFP4_GEMM.Problem(M, N, K, "bfloat16")
+    config = {**MXFP4_GEMM.default_config(problem, target), **config}
+    assert MXFP4_GEMM.check_config(problem, config, target) is None
+    return lower(MXFP4_GEMM.build(problem, config, target), target).kernel_source
+
+
+@pytest.mark.parametrize("dequant", ["bits", "lut"])
+def test_prefill_tiles_use_wgmma(dequant):
+    src = source(4096, 4096, 4096, dequant=dequant)
+    assert "wgmma" in src
+    assert "int m" in src  # M is a dynamic dimension of the kernel
+    assert "uchar" in src  # the packed weight and scales are read as bytes...
+    assert str(1 << 22) in src and str(0x7FC00000) in src  # ...E8M0 2^-127 and NaN decoded
+    if dequant == "bits":
+        assert str(0x3F000000) in src  # the E2M1 subnormal 0.5, assembled from bits
+
+
+def test_decode_tiles_use_mma():
+    src = source(16, 4096, 4096)  # block_M = 16: below a wgmma tile, on mma.sync
+    assert "mma" in src and "wgmma" not in src
+
+
+def test_odd_n_lowers():
+    src = source(8, 4097, 4096, dequant="lut")
+    assert "4097" in src
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("M", [16, 4096])
+def test_compiles_with_nvcc(M):
+    problem = MXFP4_GEMM.Problem(M, 4096, 4096, "bfloat16")
+    lower(MXFP4_GEMM.build(problem, MXFP4_GEMM.default_config(problem, H200), H200), H200,
+          device_compile=True)
+
+
+@pytest.mark.parametrize(("target", "marker"), [(Target("hip", "gfx942", "codegen", 304), "mfma"),
+                                                (Target("metal", "", "codegen", 0), "simdgroup")])
+def test_first_point_of_each_space_lowers(target, marker):
+    problem = MXFP4_GEMM.Problem(64, 4096, 4096, "bfloat16")
+    config = next(MXFP4_GEMM.configs(problem, target))
+    assert marker in lower(MXFP4_GEMM.build(problem, config, target), target).kernel_source

@@ -1,0 +1,91 @@
+"""MXFP4 weight GEMM on a CUDA GPU (marked `gpu`: skipped cleanly without one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import rel_error
+
+import tileops
+from tileops import dispatch
+from tileops.ops.mxfp4 import MXFP4_GEMM
+from tileops.target import target_of
+
+pytestmark = pytest.mark.gpu
+
+CUDA = torch.device("cuda")
+SHAPES = [(1, 4096, 4096), (16, 4096, 4096), (1, 8192, 8192), (16, 8192, 8192), (7, 4097, 4096),
+          (64, 6144, 4096), (100, 1000, 352), (257, 129, 96), (1000, 4096, 14336),
+          (4096, 4096, 4096)]
+
+
+def weight(N: int, K: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return tileops.quantize_mxfp4(torch.randn(N, K, device="cuda", generator=gen))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("M", "N", "K"), SHAPES)
+def test_mxfp4_gemm_cuda(M, N, K, dtype):
+    w_fp4, w_scale = weight(N, K, M + N + K)
+    a = torch.randn(M, K, device="cuda", dtype=dtype)
+    ref = a.double() @ tileops.dequantize_mxfp4(w_fp4, w_scale, torch.float64).t()
+    out = tileops.mxfp4_gemm(a, w_fp4, w_scale)
+    assert out.shape == (M, N) and out.dtype == dtype
+    assert rel_error(out, ref) < 1e-2
+
+
+def test_quantize_on_cuda_matches_cpu():
+    w = torch.randn(256, 512, device="cuda") * 3
+    fp4, scale = tileops.quantize_mxfp4(w)
+    cpu = tileops.quantize_mxfp4(w.cpu())
+    assert torch.equal(fp4.cpu(), cpu[0]) and torch.equal(scale.cpu(), cpu[1])
+    assert torch.equal(tileops.dequantize_mxfp4(fp4, scale).cpu(),
+                       tileops.dequantize_mxfp4(*cpu))
+
+
+@pytest.mark.parametrize("dequant", ["bits", "lut"])
+@pytest.mark.parametrize(("M", "block_M"), [(1, 16), (13, 32), (129, 64)])
+def test_every_element_written_cuda(M, block_M, dequant):
+    target = target_of(CUDA)
+    N, K = 333, 4064  # K: 127 scale blocks, not a multiple of block_K
+    problem = MXFP4_GEMM.Problem(MXFP4_GEMM.parse_problem(f"{M}x{N}x{K}", "bfloat16").M, N, K,
+                                 "bfloat16")
+    config = {**MXFP4_GEMM.default_config(problem, target), "block_M": block_M,
+              "dequant": dequant}
+    if block_M < 64:
+        config["threads"] = 128
+    kernel = dispatch.compile_kernel(MXFP4_GEMM, problem, config, target)
+    user = MXFP4_GEMM.make_inputs(problem, CUDA, seed=3, sizes={"M": M})
+    call = MXFP4_GEMM.prepare(*user)
+    poisoned = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = MXFP4_GEMM.launch(kernel, call.args, out=poisoned)
+    assert not torch.isnan(out).any()
+    assert rel_error(out, MXFP4_GEMM.reference(user)) < 1e-2
+
+
+def test_nan_scale_propagates_cuda():
+    w_fp4, w_scale = weight(256, 512, 0)
+    w_scale[7, 3] = 255
+    out = tileops.mxfp4_gemm(torch.randn(16, 512, device="cuda", dtype=torch.bfloat16),
+                             w_fp4, w_scale)
+    assert torch.isnan(out[:, 7]).all() and torch.isnan(out).sum() == 16
+
+
+def test_dynamic_m_does_not_recompile_cuda():
+    w_fp4, w_scale = weight(2048, 4096, 1)
+    tileops.mxfp4_gemm(torch.randn(1000, 4096, device="cuda", dtype=torch.bfloat16),
+                       w_fp4, w_scale)
+    before = len(dispatch._kernels)
+    for M in (600, 999, 513, 1024):  # the same bucket (1024): no new kernel
+        a = torch.randn(M, 4096, device="cuda", dtype=torch.bfloat16)
+        assert tileops.mxfp4_gemm(a, w_fp4, w_scale).shape == (M, 2048)
+    assert len(dispatch._kernels) == before
+
+
+def test_cuda_errors():
+    w_fp4, w_scale = weight(64, 128, 2)
+    with pytest.raises(ValueError, match="a is on cpu"):
+        tileops.mxfp4_gemm(torch.randn(4, 128, dtype=torch.bfloat16), w_fp4, w_scale)
+    with pytest.raises(TypeError, match="float32"):
+        tileops.mxfp4_gemm(torch.randn(4, 128, device="cuda"), w_fp4, w_scale)
