@@ -1,0 +1,71 @@
+"""MLA decode on a CUDA GPU (marked `gpu`: skipped cleanly without one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import rel_error
+
+import tileops
+from tileops import dispatch
+from tileops.ops.mla import MLA_DECODE, reference
+from tileops.target import target_of
+
+pytestmark = pytest.mark.gpu
+
+CUDA = torch.device("cuda")
+
+
+def check(out, lse, ref):
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert rel_error(out, ref[0]) < 1e-2
+    assert (lse.double().cpu() - ref[1]).abs().max() < 1e-2
+
+
+@pytest.mark.parametrize("s_q", [1, 2])
+@pytest.mark.parametrize("seqlen", [1000, 4096])
+@pytest.mark.parametrize(("batch", "h_q"), [(4, 16), (4, 128)])
+def test_mla_decode_cuda(batch, h_q, seqlen, s_q):
+    problem = MLA_DECODE.Problem(batch, seqlen, h_q, s_q, "bfloat16")
+    inputs = MLA_DECODE.make_inputs(problem, CUDA, seed=seqlen + h_q + s_q)
+    out, lse = tileops.mla_decode(*inputs)
+    assert out.shape == (batch, s_q, h_q, 512) and out.dtype == torch.bfloat16
+    assert lse.shape == (batch, h_q, s_q) and lse.dtype == torch.float32
+    check(out, lse, reference(*inputs))
+
+
+@pytest.mark.parametrize("num_splits", [1, 4, 16])
+def test_every_element_written_cuda(num_splits):
+    # NaN-filled outputs and NaN in every cache row past the lengths; lengths 1 ... 4096.
+    target = target_of(CUDA)
+    problem = MLA_DECODE.Problem(3, 4096, 128, 2, "bfloat16")
+    config = dict(MLA_DECODE.default_config(problem, target), num_splits=num_splits)
+    kernel = dispatch.compile_kernel(MLA_DECODE, problem, config, target)
+    q, kv, table, seqlens = MLA_DECODE.make_inputs(problem, CUDA, seed=num_splits)
+    seqlens[1:] = torch.tensor([2, 1001], dtype=torch.int32)
+    for b, n in enumerate(seqlens.tolist()):
+        kv[table[b, n // 64], n % 64:] = float("nan")
+    call = MLA_DECODE.prepare(q, kv, table, seqlens)
+    out = (torch.full((3, 2, 128, 512), float("nan"), device=CUDA, dtype=torch.bfloat16),
+           torch.full((3, 128, 2), float("nan"), device=CUDA))
+    MLA_DECODE.launch(kernel, call.args, out=out)
+    check(*out, reference(q, kv, table, seqlens))
+
+
+def test_fp16_and_long_context_split():
+    problem = MLA_DECODE.Problem(1, 32768, 16, 1, "float16")
+    inputs = MLA_DECODE.make_inputs(problem, CUDA, seed=1)
+    assert MLA_DECODE.default_config(problem, target_of(CUDA))["num_splits"] > 1
+    check(*tileops.mla_decode(*inputs), reference(*inputs))
+
+
+def test_cuda_errors():
+    problem = MLA_DECODE.Problem(2, 128, 16, 1, "bfloat16")
+    q, kv, table, seqlens = MLA_DECODE.make_inputs(problem, CUDA)
+    with pytest.raises(TypeError, match="float32 is not supported"):
+        tileops.mla_decode(q.float(), kv.float(), table, seqlens)
+    with pytest.raises(ValueError, match="different devices"):
+        tileops.mla_decode(q, kv, table, seqlens.cpu())
+    table[0, 0] = kv.shape[0]
+    with pytest.raises(ValueError, match="outside the cache"):
+        tileops.mla_decode(q, kv, table, seqlens)

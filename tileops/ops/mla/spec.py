@@ -1,0 +1,349 @@
+"""MLA decode (DeepSeek-V2/V3 multi-head latent attention) over a paged cache, as FlashMLA does it.
+
+q (batch, s_q, h_q, 576) attends to the first `cache_seqlens[b]` rows of a paged cache
+kv_cache (num_blocks, 64, 1, 576) through block_table (batch, max_blocks); values are the first
+512 channels of the cache rows. Returns out (batch, s_q, h_q, 512) in q's dtype and the natural
+log-sum-exp of the scaled scores, lse (batch, h_q, s_q) fp32. With s_q = 2 (multi-token
+prediction) token t sees keys j < seqlen - (s_q - 1 - t).
+
+Problem key: (batch, seqlen bucket, h_q, s_q, dtype); the bucket is the next power of two at or
+above the longest sequence of the batch. The compiled kernel depends only on (h_q, s_q, dtype) and
+the configuration: batch, cache size, table width and the lengths are run-time values.
+
+The problem text of `parse_problem` is `B<batch>xS<seqlen>xH<h_q>` with an optional `xQ<s_q>`,
+e.g. `B64xS4096xH128` or `B4xS1000xH16xQ2`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, NamedTuple
+
+import torch
+
+from ...spec import Call, Config, OpSpec, pow2_bucket
+from ...target import Target
+from ..common import DTYPE_SIZES, DTYPES, dtype_name, kernel_hash, smem_limit
+from . import kernels
+from .kernels import D_LATENT, D_QK, LOG2E, PAGE
+
+SUPPORTED = {"cuda": ("float16", "bfloat16"), "cpu": ("float32", "float16", "bfloat16")}
+HEADS = (16, 32, 64, 128)
+S_Q = (1, 2)
+_ACCEPTED = {(DTYPES[name], kind == "cuda") for kind, names in SUPPORTED.items() for name in names}
+
+
+class MlaProblem(NamedTuple):
+    batch: int
+    seqlen: int  # bucket of the longest sequence (a power of two)
+    h_q: int
+    s_q: int
+    dtype: str
+
+
+class MlaArgs(NamedTuple):
+    """What `prepare` hands to the launch: tensors as the kernel takes them and the exp2 scale."""
+
+    q: torch.Tensor  # (batch, s_q * h_q, 576) view of q
+    kv_cache: torch.Tensor
+    block_table: torch.Tensor
+    cache_seqlens: torch.Tensor
+    scale_log2: float  # softmax_scale * log2(e): the kernels exponentiate in base 2
+    s_q: int
+    h_q: int
+
+
+class MlaDecodeSpec(OpSpec):
+    name = "mla_decode"
+    Problem = MlaProblem
+    bucketed = ("seqlen",)
+    categorical = ("h_q", "s_q", "dtype")
+    baseline_name = "torch (gather pages, matmul, softmax)"
+    kernel_module = kernels.__name__
+
+    # ---- problems -------------------------------------------------------------------------------
+    def prepare(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                cache_seqlens: torch.Tensor, softmax_scale: float | None = None,
+                head_dim_v: int = D_LATENT, validate: bool = True) -> Call:
+        try:
+            B, s_q, h_q, d = q.shape
+            _, page, h_kv, d_kv = kv_cache.shape
+            ok = (d == D_QK and d_kv == D_QK and page == PAGE and h_kv == 1 and B >= 1
+                  and head_dim_v == D_LATENT and h_q in HEADS and s_q in S_Q
+                  and kv_cache.dtype is q.dtype and (q.dtype, q.is_cuda) in _ACCEPTED
+                  and block_table.dtype is torch.int32 and cache_seqlens.dtype is torch.int32
+                  and block_table.dim() == 2 and block_table.shape[0] == B
+                  and block_table.shape[1] >= 1 and cache_seqlens.shape == (B,)
+                  and kv_cache.device == q.device == block_table.device == cache_seqlens.device
+                  and kv_cache.is_contiguous())
+        except (AttributeError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            _refuse(q, kv_cache, block_table, cache_seqlens, head_dim_v)
+        block_table, cache_seqlens = block_table.contiguous(), cache_seqlens.contiguous()
+        longest = _check_table(kv_cache, block_table, cache_seqlens, s_q, validate)
+        if softmax_scale is None:
+            softmax_scale = D_QK ** -0.5
+        problem = MlaProblem(B, pow2_bucket(longest), h_q, s_q, dtype_name(q.dtype))
+        args = MlaArgs(q.contiguous().view(B, s_q * h_q, D_QK), kv_cache, block_table,
+                       cache_seqlens, float(softmax_scale) * LOG2E, s_q, h_q)
+        return Call(q.device, problem, args)
+
+    def parse_problem(self, text: str, dtype: str) -> MlaProblem:
+        match = re.fullmatch(r"\s*B(\d+)xS(\d+)xH(\d+)(?:xQ(\d+))?\s*", text, re.IGNORECASE)
+        if not match:
+            raise ValueError(f"bad MLA decode problem {text!r}: expected B<batch>xS<seqlen>xH<h_q> "
+                             "with an optional xQ<s_q>, e.g. B64xS4096xH128 or B4xS1000xH16xQ2")
+        if dtype not in DTYPES:
+            raise ValueError(f"bad dtype {dtype!r} for mla_decode: expected one of "
+                             f"{', '.join(DTYPES)}")
+        B, S, H = (int(match.group(i)) for i in (1, 2, 3))
+        s_q = int(match.group(4) or 1)
+        if B < 1 or H not in HEADS or s_q not in S_Q or s_q > S:
+            raise ValueError(f"bad MLA decode problem {text!r}: batch >= 1, h_q in {HEADS}, "
+                             f"s_q in {S_Q} and seqlen >= s_q")
+        return MlaProblem(B, pow2_bucket(S), H, s_q, dtype)
+
+    # ---- configuration --------------------------------------------------------------------------
+    def default_config(self, problem: MlaProblem, target: Target) -> Config:
+        if target.kind == "cpu":
+            return {"block_H": 16, "block_N": 32, "num_splits": 1}
+        rows = problem.s_q * problem.h_q
+        ctas = problem.batch * -(-rows // 64)
+        return {"block_H": 64, "block_N": 64, "num_stages": 2, "threads": 256,
+                "num_splits": default_splits(ctas, problem.seqlen, 64, target.units or 132)}
+
+    def check_config(self, problem: MlaProblem, config: Config, target: Target) -> str | None:
+        if PAGE % config["block_N"]:
+            return f"block_N {config['block_N']} does not divide the page size {PAGE}"
+        if target.kind == "cpu":
+            return None
+        bh, bn, threads = config["block_H"], config["block_N"], config["threads"]
+        smem = (bh * D_QK + config["num_stages"] * bn * D_QK + bh * bn) * 2
+        if smem > smem_limit(target.arch):
+            return f"shared memory {smem // 1024} KiB > {smem_limit(target.arch) // 1024} KiB"
+        if bh * D_LATENT // threads > 128:
+            return f"{bh * D_LATENT // threads} output accumulators per thread (> 128 registers)"
+        if target.arch.startswith("sm_90") and bh % (64 * (threads // 128)) and bh < 64:
+            return "wgmma needs block_H 64 per warpgroup"
+        if config["num_splits"] > 1 and config["num_splits"] * bn > 2 * problem.seqlen:
+            return f"{config['num_splits']} splits of {bn} keys for {problem.seqlen} keys"
+        return None
+
+    # ---- kernels --------------------------------------------------------------------------------
+    def build(self, problem: MlaProblem, config: Config, target: Target) -> Any:
+        _, _, h_q, s_q, dtype = problem
+        if target.kind == "cpu":
+            return kernels.cpu_program(h_q, s_q, dtype, **config)
+        return kernels.gpu_program(h_q, s_q, dtype, **config)
+
+    def kernel_hash(self) -> str:
+        return kernel_hash(self.kernel_module)  # the programs call helpers in ops/common.py
+
+    def kernel_key(self, problem: MlaProblem) -> tuple:
+        return (problem.h_q, problem.s_q, problem.dtype)  # batch and lengths are dynamic
+
+    def adapt(self, kernel: Any, target: Target) -> Any:
+        return _MlaKernel(kernel, cpu=target.kind == "cpu")
+
+    def launch(self, kernel: Any, args: tuple, out: tuple | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the kernel; `out` is an (out, lse) pair of buffers to write, as the baseline returns.
+        """
+        q = args.q
+        B, rows, _ = q.shape
+        if out is None:
+            out = (q.new_empty((B, args.s_q, args.h_q, D_LATENT)),
+                   torch.empty((B, args.h_q, args.s_q), dtype=torch.float32, device=q.device))
+        kernel(args, out[0].view(B, rows, D_LATENT), out[1])
+        return out
+
+    def launch_baseline(self, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        q, kv, table, seqlens, scale_log2, s_q, h_q = args
+        B = q.shape[0]
+        pages = -(-int(seqlens.max()) // PAGE)
+        used = torch.arange(pages, device=q.device) * PAGE < seqlens[:, None]
+        ids = torch.where(used, table[:, :pages], 0)
+        k = kv[ids].view(B, pages * PAGE, D_QK)  # gather each sequence's pages, in order
+        scores = torch.matmul(q, k.transpose(1, 2)).float() * (scale_log2 / LOG2E)
+        mask = _visible(seqlens, pages * PAGE, s_q, h_q)
+        scores.masked_fill_(~mask, -math.inf)
+        lse = torch.logsumexp(scores, dim=-1)
+        p = torch.softmax(scores, dim=-1).to(q.dtype)
+        out = torch.matmul(p, k[..., :D_LATENT])
+        return (out.view(B, s_q, h_q, D_LATENT),
+                lse.view(B, s_q, h_q).transpose(1, 2).contiguous())
+
+    # ---- inputs, reference, roofline ------------------------------------------------------------
+    def make_inputs(self, problem: MlaProblem, device: torch.device, seed: int = 0,
+                    sizes: dict[str, int] | None = None) -> tuple:
+        """Lengths vary between half the longest and the longest (the first sequence); each
+        sequence's pages are scattered over the cache by a random permutation; table entries past
+        a sequence's pages hold -1 (never read)."""
+        B, h_q, s_q = problem.batch, problem.h_q, problem.s_q
+        longest = (sizes or {}).get("seqlen", problem.seqlen)
+        gen = torch.Generator(device=device).manual_seed(seed)
+        dtype = DTYPES[problem.dtype]
+        lo = max(s_q, longest // 2)
+        seqlens = torch.randint(lo, longest + 1, (B,), generator=gen, device=device,
+                                dtype=torch.int32)
+        seqlens[0] = longest
+        width = -(-longest // PAGE)
+        counts = (seqlens + PAGE - 1) // PAGE
+        num_blocks = int(counts.sum()) + 1
+        perm = torch.randperm(num_blocks, generator=gen, device=device).to(torch.int32)
+        table = torch.full((B, width), -1, dtype=torch.int32, device=device)
+        used = torch.arange(width, device=device) < counts[:, None]
+        table[used] = perm[:int(counts.sum())]
+        q = torch.randn((B, s_q, h_q, D_QK), generator=gen, device=device).to(dtype)
+        kv = torch.randn((num_blocks, PAGE, 1, D_QK), generator=gen, device=device).to(dtype)
+        return (q, kv, table, seqlens)
+
+    def reference(self, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        return reference(*inputs)
+
+    def flops(self, problem: MlaProblem) -> float:
+        return 2.0 * problem.batch * problem.s_q * problem.h_q * problem.seqlen * (D_QK + D_LATENT)
+
+    def bytes_moved(self, problem: MlaProblem) -> float:
+        B, S, h_q, s_q = problem.batch, problem.seqlen, problem.h_q, problem.s_q
+        return (B * S * D_QK + B * s_q * h_q * (D_QK + D_LATENT)) * DTYPE_SIZES[problem.dtype]
+
+    def tolerance(self, problem: MlaProblem) -> float:
+        # The error is taken over (out, lse) together, where lse (about log(seqlen) per row)
+        # outweighs out (about seqlen^-1/2 per element): tighter than the usual 1e-2.
+        return 1e-5 if problem.dtype == "float32" else 2e-3
+
+
+def default_splits(ctas: int, seqlen: int, block_N: int, units: int) -> int:
+    """KV splits per sequence: enough CTAs to fill the machine once, each with >= 4 key blocks."""
+    if ctas >= units:
+        return 1
+    want = -(-units // ctas)
+    most = max(1, seqlen // (4 * block_N))
+    return 1 << (min(want, most, 32).bit_length() - 1)
+
+
+def reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+              cache_seqlens: torch.Tensor, softmax_scale: float | None = None,
+              head_dim_v: int = D_LATENT, validate: bool = True
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) in float64: each sequence's pages gathered into a contiguous K, plain softmax."""
+    scale = D_QK ** -0.5 if softmax_scale is None else softmax_scale
+    B, s_q, h_q, _ = q.shape
+    out = torch.empty((B, s_q, h_q, D_LATENT), dtype=torch.float64)
+    lse = torch.empty((B, h_q, s_q), dtype=torch.float64)
+    for b in range(B):
+        n = int(cache_seqlens[b])
+        pages = block_table[b, :-(-n // PAGE)].long().cpu()
+        k = kv_cache.cpu()[pages].reshape(-1, D_QK)[:n].double()
+        s = torch.einsum("thd,jd->thj", q[b].cpu().double(), k) * scale
+        keys = torch.arange(n)
+        for t in range(s_q):
+            s[t, :, keys >= n - (s_q - 1 - t)] = -math.inf
+        lse[b] = torch.logsumexp(s, dim=-1).T
+        out[b] = torch.softmax(s, dim=-1) @ k[:, :D_LATENT]
+    return out, lse
+
+
+def _visible(seqlens: torch.Tensor, n: int, s_q: int, h_q: int) -> torch.Tensor:
+    """(batch, s_q * h_q, n) mask of the keys each query row sees (the causal rule for s_q > 1)."""
+    token = torch.arange(s_q * h_q, device=seqlens.device) // h_q
+    limit = seqlens[:, None] - (s_q - 1 - token)[None, :]
+    return torch.arange(n, device=seqlens.device)[None, None, :] < limit[:, :, None]
+
+
+def _check_table(kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+                 s_q: int, validate: bool) -> int:
+    """The longest sequence; with `validate`, check lengths and the table entries they use.
+
+    Costs one reduction over the table and one device-to-host copy of four numbers (the key's
+    seqlen bucket needs the longest length anyway, so `validate=False` saves only the reduction).
+    """
+    if not validate:
+        return int(cache_seqlens.max())
+    num_blocks, width = kv_cache.shape[0], block_table.shape[1]
+    used = (torch.arange(width, device=block_table.device) * PAGE)[None, :] < cache_seqlens[:, None]
+    ids = torch.where(used, block_table, 0)
+    longest, shortest, top, bottom = torch.stack(
+        [cache_seqlens.max(), cache_seqlens.min(), ids.max(), ids.min()]).tolist()
+    if shortest < s_q:
+        raise ValueError(f"mla_decode: cache_seqlens holds {shortest}; every sequence needs at "
+                         f"least s_q = {s_q} cached rows (the new tokens included)")
+    if longest > width * PAGE:
+        raise ValueError(f"mla_decode: cache_seqlens holds {longest} but block_table has "
+                         f"{width} pages of {PAGE} rows ({width * PAGE}) per sequence")
+    if top >= num_blocks or bottom < 0:
+        bad = top if top >= num_blocks else bottom
+        raise ValueError(f"mla_decode: block_table entry {bad} used by a sequence is outside the "
+                         f"cache's {num_blocks} blocks")
+    return longest
+
+
+def _refuse(q: Any, kv: Any, table: Any, seqlens: Any, head_dim_v: Any) -> None:
+    """Raise the clear error for a call that `prepare`'s fast checks rejected."""
+    tensors = {"q": q, "kv_cache": kv, "block_table": table, "cache_seqlens": seqlens}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"mla_decode: {name} must be a tensor, got {type(t).__name__}")
+    if q.dim() != 4 or q.shape[-1] != D_QK:
+        raise ValueError(f"mla_decode: q must be (batch, s_q, h_q, {D_QK}); got "
+                         f"{tuple(q.shape)}")
+    B, s_q, h_q, _ = q.shape
+    if kv.dim() != 4 or tuple(kv.shape[1:]) != (PAGE, 1, D_QK):
+        raise ValueError(f"mla_decode: kv_cache must be (num_blocks, {PAGE}, 1, {D_QK}); got "
+                         f"{tuple(kv.shape)}")
+    if B < 1:
+        raise ValueError("mla_decode: empty batch")
+    if h_q not in HEADS or s_q not in S_Q:
+        raise ValueError(f"mla_decode: h_q = {h_q}, s_q = {s_q}; supported h_q {HEADS}, "
+                         f"s_q {S_Q}")
+    if head_dim_v != D_LATENT:
+        raise ValueError(f"mla_decode: head_dim_v must be {D_LATENT}, got {head_dim_v}")
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError("mla_decode: tensors on different devices: "
+                         + ", ".join(f"{n} on {d}" for n, d in devices.items()))
+    if kv.dtype != q.dtype:
+        raise TypeError(f"mla_decode: q is {dtype_name(q.dtype)} but kv_cache is "
+                        f"{dtype_name(kv.dtype)}; both must have the same dtype")
+    kind = "cuda" if q.is_cuda else "cpu"
+    if dtype_name(q.dtype) not in SUPPORTED.get(kind, ()):
+        raise TypeError(f"mla_decode on {q.device.type}: dtype {dtype_name(q.dtype)} is not "
+                        f"supported (allowed: {', '.join(SUPPORTED[kind])})")
+    for name, t in (("block_table", table), ("cache_seqlens", seqlens)):
+        if t.dtype != torch.int32:
+            raise TypeError(f"mla_decode: {name} must be int32, got {dtype_name(t.dtype)}")
+    if table.dim() != 2 or table.shape[0] != B or table.shape[1] < 1:
+        raise ValueError(f"mla_decode: block_table must be (batch={B}, max_blocks >= 1); got "
+                         f"{tuple(table.shape)}")
+    if tuple(seqlens.shape) != (B,):
+        raise ValueError(f"mla_decode: cache_seqlens must be (batch={B},); got "
+                         f"{tuple(seqlens.shape)}")
+    raise ValueError("mla_decode: kv_cache must be contiguous (copying a cache per call would "
+                     "cost more than the attention)")
+
+
+class _MlaKernel:
+    """A compiled MLA program with its calling convention: it allocates the split-KV partial
+    buffers (fp32) and, on the CPU target, passes bf16 tensors as their uint16 bits."""
+
+    def __init__(self, kernel: Any, cpu: bool):
+        self.kernel, self.cpu = kernel, cpu
+        self.num_splits = int(kernel.prim_func.buffer_map[kernel.prim_func.params[5]].shape[2])
+
+    def __call__(self, args: MlaArgs, out: torch.Tensor, lse: torch.Tensor) -> None:
+        q = args.q
+        B, rows, _ = q.shape
+        o_part = torch.empty((B, rows, self.num_splits, D_LATENT), dtype=torch.float32,
+                             device=q.device)
+        l_part = torch.empty((B, rows, self.num_splits), dtype=torch.float32, device=q.device)
+        kv = args.kv_cache
+        if self.cpu and q.dtype is torch.bfloat16:
+            q, kv, out = q.view(torch.uint16), kv.view(torch.uint16), out.view(torch.uint16)
+        self.kernel(q, kv, args.block_table, args.cache_seqlens, args.scale_log2, o_part, l_part,
+                    out, lse)
+
+
+MLA_DECODE = MlaDecodeSpec()
