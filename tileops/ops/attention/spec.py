@@ -10,10 +10,12 @@ Command-line syntax (`parse_problem`, `tileops-tune --shape`): `BxSQxSKVxHQxHKVx
 appended for the causal mask, e.g. `8x4096x4096x32x8x128:causal`; `BxSxHxD` is the short form for
 seqlen_q = seqlen_kv and heads_q = heads_kv.
 
-The baseline is `torch.nn.functional.scaled_dot_product_attention` on the (batch, heads, seq, dim)
-transposes with `enable_gqa`, restricted to cuDNN attention on CUDA (`BASELINE_BACKENDS`). SDPA
-does not return the log-sum-exp, so the baseline computes it in a second pass (an extra Q K^T):
-tuned records' baseline times include that pass.
+The baseline returns (O, LSE) like the kernels. On CUDA it is cuDNN attention
+(`BASELINE_BACKENDS`), called as `aten._scaled_dot_product_cudnn_attention` with the lse computed
+in the same pass (KV heads repeated for GQA). Elsewhere, and for causal calls with seqlen_q !=
+seqlen_kv (SDPA's `is_causal` aligns top-left), it is `torch.nn.functional.
+scaled_dot_product_attention` on the (batch, heads, seq, dim) transposes with `enable_gqa` and a
+lower-right causal mask, plus a second pass for the lse that SDPA does not return.
 """
 
 from __future__ import annotations
@@ -218,8 +220,17 @@ class AttentionSpec(OpSpec):
         q, k, v, causal = args
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
         Sq, Skv = q.shape[1], k.shape[1]
+        lower_right = causal and Sq != Skv  # SDPA's is_causal aligns top-left; ours bottom-right
+        if q.is_cuda and not lower_right and "CUDNN_ATTENTION" in BASELINE_BACKENDS:
+            # cuDNN attention, called directly: the public SDPA does not return the lse.
+            group = q.shape[2] // k.shape[2]
+            if group > 1:
+                kt, vt = kt.repeat_interleave(group, 1), vt.repeat_interleave(group, 1)
+            out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                qt, kt, vt, None, True, 0.0, causal, False)[:2]
+            return out.transpose(1, 2), lse.reshape(q.shape[0], q.shape[2], Sq)
         mask = None
-        if causal and Sq != Skv:  # SDPA's is_causal aligns top-left; ours is bottom-right
+        if lower_right:
             from torch.nn.attention.bias import causal_lower_right
 
             mask = causal_lower_right(Sq, Skv)
@@ -232,9 +243,11 @@ class AttentionSpec(OpSpec):
                 out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, **kwargs)
         else:
             out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, **kwargs)
-        if mask is not None and Sq > Skv:  # SDPA gives NaN rows where we give zeros
+        if lower_right and Sq > Skv:  # SDPA gives NaN rows where we give zeros
             out = out.nan_to_num(0.0)
-        return out.transpose(1, 2), _lse(qt, kt, causal)
+        # A second pass for the lse (fp32, chunked): this path's time includes it.
+        _, lse = _attention(q, k, v, causal, q.shape[3] ** -0.5, torch.float32, need_out=False)
+        return out.transpose(1, 2), lse
 
     # ---- inputs, reference, roofline ------------------------------------------------------------
     def make_inputs(self, problem: AttentionProblem, device: torch.device, seed: int = 0,
@@ -252,15 +265,7 @@ class AttentionSpec(OpSpec):
         """(O, LSE) in float64; rows with no visible key: O = 0, LSE = -inf."""
         q, k, v, causal = inputs[:4]
         scale = inputs[4] if len(inputs) > 4 and inputs[4] is not None else q.shape[3] ** -0.5
-        group = q.shape[2] // k.shape[2]
-        qd, kd, vd = (t.double().cpu().transpose(1, 2) for t in (q, k, v))
-        kd, vd = kd.repeat_interleave(group, 1), vd.repeat_interleave(group, 1)
-        s = qd @ kd.transpose(-1, -2) * scale
-        if causal:
-            s = s.masked_fill(_future(q.shape[1], k.shape[1], s.device), float("-inf"))
-        lse = torch.logsumexp(s, dim=-1)
-        p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
-        return (p @ vd).transpose(1, 2), lse
+        return _attention(q, k, v, causal, scale, torch.float64)
 
     def flops(self, problem: AttentionProblem) -> float:
         B, Sq, Skv, Hq, _, D, causal, _ = problem
@@ -292,14 +297,32 @@ def _visible_pairs(Sq: int, Skv: int, causal: bool) -> float:
     return float((lo + hi) * n / 2)
 
 
-def _lse(qt: torch.Tensor, kt: torch.Tensor, causal: bool) -> torch.Tensor:
-    """The log-sum-exp SDPA does not return, in fp32, from (batch, heads, seq, dim) views."""
-    group = qt.shape[1] // kt.shape[1]
-    s = qt.float() @ kt.float().repeat_interleave(group, 1).transpose(-1, -2)
-    s *= qt.shape[-1] ** -0.5
-    if causal:
-        s.masked_fill_(_future(qt.shape[2], kt.shape[2], s.device), float("-inf"))
-    return torch.logsumexp(s, dim=-1)
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+               dtype: torch.dtype, need_out: bool = True) -> tuple[torch.Tensor | None,
+                                                                   torch.Tensor]:
+    """Plain softmax attention in `dtype` on q's device, by KV head and query chunk (the scores
+    of a chunk stay under ~32M elements, so long sequences fit in memory); (O, LSE)."""
+    B, Sq, Hq, D = q.shape
+    Skv, Hkv = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    out = torch.empty((B, Sq, Hq, D), dtype=dtype, device=q.device) if need_out else None
+    lse = torch.empty((B, Hq, Sq), dtype=dtype, device=q.device)
+    hidden = _future(Sq, Skv, q.device) if causal else None
+    rows = max(1, (1 << 25) // (group * Skv))
+    for b in range(B):
+        for h in range(Hkv):
+            heads = slice(h * group, (h + 1) * group)
+            kd, vd = k[b, :, h].to(dtype), v[b, :, h].to(dtype)
+            for i in range(0, Sq, rows):
+                s = torch.einsum("qgd,kd->gqk", q[b, i:i + rows, heads].to(dtype), kd) * scale
+                if causal:
+                    s.masked_fill_(hidden[i:i + rows], float("-inf"))
+                chunk_lse = torch.logsumexp(s, dim=-1)
+                lse[b, heads, i:i + rows] = chunk_lse
+                if need_out:
+                    p = torch.exp(s - chunk_lse[..., None]).nan_to_num_(0.0)
+                    out[b, i:i + rows, heads] = (p @ vd).transpose(0, 1)
+    return out, lse
 
 
 ATTENTION = AttentionSpec()

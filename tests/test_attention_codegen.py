@@ -1,0 +1,27 @@
+"""The FlashAttention GPU tile program lowers for CUDA sm_90a without the hardware (wgmma for both
+products, dynamic lengths) and compiles with nvcc where it is installed."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from test_codegen import H200, lower
+
+from tileops.ops.attention import ATTENTION
+
+
+def test_attention_lowers_to_wgmma_on_sm90a():
+    problem = ATTENTION.Problem(2, 1024, 1024, 32, 8, 128, False, "bfloat16")
+    config = ATTENTION.default_config(problem, H200)
+    assert ATTENTION.check_config(problem, config, H200) is None
+    src = lower(ATTENTION.build(problem, config, H200), H200).kernel_source
+    assert "wgmma" in src
+    assert "seqlen_q" in src and "seqlen_kv" in src  # dynamic lengths
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_attention_compiles_with_nvcc():
+    problem = ATTENTION.Problem(1, 4096, 4096, 32, 8, 128, True, "bfloat16")
+    config = ATTENTION.default_config(problem, H200)
+    lower(ATTENTION.build(problem, config, H200), H200, device_compile=True)
