@@ -109,6 +109,17 @@ def test_default_configs_are_in_the_spaces_and_valid():
         assert next(MXFP4_GEMM.configs(MXFP4_GEMM.Problem(16, 4096, 4096, "bfloat16"), target))
 
 
+def test_under_torch_compile():
+    w_fp4, w_scale = tileops.quantize_mxfp4(torch.randn(16, 64))
+
+    def layer(x):
+        return torch.relu(tileops.mxfp4_gemm(x, w_fp4, w_scale)) * 2
+
+    compiled = torch.compile(layer, fullgraph=True)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    assert torch.equal(compiled(x), layer(x))
+
+
 def test_custom_op_is_registered():
     a, w_fp4, w_scale = inputs(3, 8, 32)
     out = torch.ops.tileops.mxfp4_gemm(a, w_fp4, w_scale)
