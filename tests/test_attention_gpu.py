@@ -1,0 +1,87 @@
+"""FlashAttention forward on a CUDA GPU (marked `gpu`: skipped cleanly without one)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import rel_error
+
+import tileops
+from tileops import dispatch
+from tileops.ops.attention import ATTENTION
+from tileops.target import target_of
+
+pytestmark = pytest.mark.gpu
+
+CUDA = torch.device("cuda")
+
+
+def check(out, lse, ref, tol=1e-2):
+    ref_out, ref_lse = ref
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert rel_error(out, ref_out) < tol
+    masked = torch.isinf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), masked)
+    if (~masked).any():
+        assert (lse[~masked].double() - ref_lse[~masked]).abs().max() < 2e-2
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize(
+    ("B", "Sq", "Skv", "Hq", "Hkv", "D", "causal"),
+    [
+        (2, 1024, 1024, 32, 32, 128, False),
+        (2, 1024, 1024, 32, 32, 128, True),
+        (2, 1024, 1024, 32, 8, 128, True),      # GQA 32/8
+        (2, 1024, 1024, 32, 8, 64, False),
+        (1, 1000, 1000, 32, 8, 128, True),      # odd lengths
+        (2, 333, 1337, 16, 4, 128, True),       # seqlen_q < seqlen_kv, bottom-right causal
+        (1, 1337, 333, 16, 1, 64, True),        # seqlen_q > seqlen_kv (masked rows), MQA
+        (3, 1, 4097, 32, 8, 128, False),        # decode-like
+        (1, 517, 517, 8, 8, 256, True),         # head_dim 256
+    ],
+)
+def test_attention_cuda(B, Sq, Skv, Hq, Hkv, D, causal, dtype):
+    problem = ATTENTION.Problem(B, Sq, Skv, Hq, Hkv, D, causal, dtype)
+    q, k, v, _ = ATTENTION.make_inputs(problem, CUDA, seed=Sq + Skv + D)
+    out, lse = tileops.flash_attention(q, k, v, causal=causal, return_lse=True)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.dtype == torch.float32
+    check(out, lse, ATTENTION.reference((q, k, v, causal)))
+
+
+def test_every_element_written_cuda():
+    target = target_of(CUDA)
+    problem = ATTENTION.Problem(2, 1024, 1024, 32, 8, 128, True, "bfloat16")
+    kernel = dispatch.compile_kernel(ATTENTION, problem, ATTENTION.default_config(problem, target),
+                                     target)
+    for Sq, Skv in [(1000, 999), (129, 1000), (1000, 129)]:
+        inputs = ATTENTION.make_inputs(problem, CUDA, seed=Sq, sizes={"seqlen_q": Sq,
+                                                                      "seqlen_kv": Skv})
+        call = ATTENTION.prepare(*inputs)
+        out = (torch.full((2, Sq, 32, 128), math.nan, device=CUDA, dtype=torch.bfloat16),
+               torch.full((2, 32, Sq), math.nan, device=CUDA))
+        ATTENTION.launch(kernel, call.args, out=out)
+        check(*out, ATTENTION.reference(inputs))
+
+
+def test_baseline_matches_reference_cuda():
+    for Sq, Skv, causal in [(1024, 1024, True), (300, 700, True), (512, 256, False)]:
+        problem = ATTENTION.Problem(1, Sq, Skv, 32, 8, 128, causal, "bfloat16")
+        inputs = ATTENTION.make_inputs(problem, CUDA, seed=5)
+        out, lse = ATTENTION.launch_baseline(ATTENTION.prepare(*inputs).args)
+        check(out, lse, ATTENTION.reference(inputs))
+
+
+def test_dynamic_lengths_do_not_recompile_cuda():
+    def run(B, S):
+        q = torch.randn(B, S, 32, 128, device=CUDA, dtype=torch.bfloat16)
+        k = torch.randn(B, S, 8, 128, device=CUDA, dtype=torch.bfloat16)
+        return tileops.flash_attention(q, k, k, causal=True)
+
+    run(2, 1000)
+    before = len(dispatch._kernels)
+    for B, S in [(2, 600), (2, 1024), (1, 999)]:
+        assert run(B, S).shape == (B, S, 32, 128)
+    assert len(dispatch._kernels) == before
