@@ -10,10 +10,10 @@ read from `cache_seqlens` at run time. Each sequence's key blocks are divided am
 CTAs; with more than one split every CTA writes an fp32 partial output and its log2-sum-exp, and a
 second small kernel combines them. Token t of s_q sees keys j < seqlen - (s_q - 1 - t).
 
-Only a sequence's last key block can hold keys past its length or causally masked ones: the GPU
-program runs the full blocks through the pipelined loop unmasked and the last one separately, with
-a predicated load (rows past the length read as zero, so stale NaN/Inf cache rows cannot leak
-through 0 * NaN into P.V) and the mask.
+Only a sequence's last key block can hold rows past its length or causally masked keys: the GPU
+program masks its scores and zeroes its value rows past the length in shared memory (a cache page
+may hold stale NaN/Inf there, which 0 * NaN would carry into P.V); the CPU program loads every
+block with the length predicate.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations, which
@@ -94,18 +94,20 @@ def gpu_program(h_q: int, s_q: int, dtype: str, *, block_H: int, block_N: int, n
             pos = (start + kk) * block_N
             page = block_table[bx, pos // PAGE]
             off = pos % PAGE
-            # Predicated loads: key rows past the length read as zero (no stale NaN/Inf in P.V).
-            for i, j in T.Parallel(block_N, D_LATENT):
-                K_s[i, j] = T.if_then_else(pos + i < seqlen, KV[page, off + i, 0, j], 0)
-            for i, j in T.Parallel(block_N, D_ROPE):
-                Kr_s[i, j] = T.if_then_else(pos + i < seqlen, KV[page, off + i, 0, D_LATENT + j],
-                                            0)
+            T.copy(KV[page, off:off + block_N, 0, 0:D_LATENT], K_s)
+            T.copy(KV[page, off:off + block_N, 0, D_LATENT:D_QK], Kr_s)
             T.clear(S)
             T.gemm(Q_s, K_s, S, transpose_B=True, policy=policy)
             T.gemm(Qr_s, Kr_s, S, transpose_B=True, policy=policy)
-            for i, j in T.Parallel(block_H, block_N):
-                visible = seqlen - (s_q - 1 - (r0 + i) // h_q)
-                S[i, j] = T.if_then_else(pos + j < visible, S[i, j], neg_inf)
+            if pos + block_N >= seqlen:  # the last block: rows past the end, causal mask
+                # Zero the value rows past the length (after Q.K^T has read them, so after the
+                # copy landed): stale NaN/Inf cache rows must not reach P.V through 0 * NaN.
+                for i, j in T.Parallel(block_N, D_LATENT):
+                    if pos + i >= seqlen:
+                        K_s[i, j] = 0
+                for i, j in T.Parallel(block_H, block_N):
+                    visible = seqlen - (s_q - 1 - (r0 + i) // h_q)
+                    S[i, j] = T.if_then_else(pos + j < visible, S[i, j], neg_inf)
             update(S, P_s, K_s, acc_o, m, m_prev, msc, alpha, rowsum, l, scale)
 
     @T.prim_func
