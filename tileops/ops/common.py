@@ -16,6 +16,10 @@ import tilelang.language as T
 import torch
 
 ACCUM = "float32"  # accumulator dtype of every tile program
+# Online softmax runs in base 2 (exp2 is one instruction): scores are scaled by LOG2E, and a
+# log2-sum-exp is turned into the natural log-sum-exp callers get by LN2.
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -54,6 +58,12 @@ def from_f32(v, dtype: str):
     rounded = T.shift_right(u + T.uint32(0x7FFF) + T.bitwise_and(T.shift_right(u, T.uint32(16)),
                                                                   T.uint32(1)), T.uint32(16))
     return T.cast(T.if_then_else(T.isnan(v), T.uint32(0x7FC0), rounded), "uint16")
+
+
+def softmax_offset(m, scale=None):
+    """What a row's exp2 exponents subtract: its running max m (times `scale` when scores are
+    scaled here), or 0 while no key is visible (m = -inf), where m - m would give NaN."""
+    return T.if_then_else(m == -T.infinity(ACCUM), T.float32(0), m if scale is None else m * scale)
 
 
 class BitsAdapter:

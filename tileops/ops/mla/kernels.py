@@ -21,19 +21,11 @@ block with the length predicate.
 import tilelang.cpu.language as TC
 import tilelang.language as T
 
-from ..common import ACCUM, bits, from_f32, to_f32
+from ..common import ACCUM, LN2, bits, from_f32, softmax_offset, to_f32
 
 PAGE = 64  # cache page size (rows per block of kv_cache)
 D_LATENT, D_ROPE = 512, 64
 D_QK = D_LATENT + D_ROPE
-LN2 = 0.6931471805599453
-LOG2E = 1.4426950408889634
-
-
-def _scaled_max(m, scale):
-    """m * scale for the exponent, 0 for a row that has seen no key yet (m = -inf), so that
-    exp2(s * scale - it) is exp2(-inf) = 0 rather than NaN."""
-    return T.if_then_else(m == -T.infinity(ACCUM), T.float32(0), m * scale)
 
 
 def gpu_program(h_q: int, s_q: int, dtype: str, *, block_H: int, block_N: int, num_stages: int,
@@ -51,7 +43,7 @@ def gpu_program(h_q: int, s_q: int, dtype: str, *, block_H: int, block_N: int, n
         T.copy(m, m_prev)
         T.reduce_max(S, m, dim=1, clear=False)
         for i in T.Parallel(block_H):
-            msc[i] = _scaled_max(m[i], scale)
+            msc[i] = softmax_offset(m[i], scale)
         for i, j in T.Parallel(block_H, block_N):
             S[i, j] = T.exp2(S[i, j] * scale - msc[i])
         T.reduce_sum(S, rowsum, dim=1)
@@ -222,7 +214,7 @@ def cpu_program(h_q: int, s_q: int, dtype: str, *, block_H: int, block_N: int, n
                     for j in TC.serial(block_N):
                         s[i, j] = TC.if_then_else(pos + j < visible, s[i, j], neg_inf)
                         m[i] = TC.max(m[i], s[i, j])
-                    msc[i] = _scaled_max(m[i], scale)
+                    msc[i] = softmax_offset(m[i], scale)
                     prev[1] = TC.exp2(prev[0] * scale - msc[i])
                     l[i] *= prev[1]
                     for c in TC.serial(D_LATENT):
