@@ -10,6 +10,10 @@ Command-line syntax (`parse_problem`, `tileops-tune --shape`): `BxSQxSKVxHQxHKVx
 appended for the causal mask, e.g. `8x4096x4096x32x8x128:causal`; `BxSxHxD` is the short form for
 seqlen_q = seqlen_kv and heads_q = heads_kv.
 
+The kernels bake in the default scale 1/sqrt(head_dim); a call with another `softmax_scale` scales
+q by the ratio first (one elementwise pass over q, rounded in q's dtype). `launch` takes its `out`
+buffer as the pair (O, LSE), the shape of what it returns.
+
 The baseline returns (O, LSE) like the kernels. On CUDA it is cuDNN attention
 (`BASELINE_BACKENDS`), called as `aten._scaled_dot_product_cudnn_attention` with the lse computed
 in the same pass (KV heads repeated for GQA). Elsewhere, and for causal calls with seqlen_q !=
