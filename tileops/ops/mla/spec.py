@@ -120,13 +120,12 @@ class MlaDecodeSpec(OpSpec):
         if target.kind == "cpu":
             return None
         bh, bn, threads = config["block_H"], config["block_N"], config["threads"]
-        smem = (bh * D_QK + config["num_stages"] * bn * D_QK + bh * bn) * 2
+        # Q, the pipelined key/value tiles, P; and about 2 KiB of barriers and alignment.
+        smem = (bh * D_QK + config["num_stages"] * bn * D_QK + bh * bn) * 2 + 2048
         if smem > smem_limit(target.arch):
             return f"shared memory {smem // 1024} KiB > {smem_limit(target.arch) // 1024} KiB"
         if bh * D_LATENT // threads > 128:
             return f"{bh * D_LATENT // threads} output accumulators per thread (> 128 registers)"
-        if target.arch.startswith("sm_90") and bh % (64 * (threads // 128)) and bh < 64:
-            return "wgmma needs block_H 64 per warpgroup"
         if config["num_splits"] > 1 and config["num_splits"] * bn > 2 * problem.seqlen:
             return f"{config['num_splits']} splits of {bn} keys for {problem.seqlen} keys"
         return None
