@@ -22,6 +22,14 @@ def test_attention_lowers_to_wgmma_on_sm90a():
     assert "seqlen_q" in src and "seqlen_kv" in src  # dynamic lengths
 
 
+def test_attention_overlap_variant_lowers_on_sm90a():
+    problem = ATTENTION.Problem(2, 1024, 1024, 32, 8, 128, True, "bfloat16")
+    config = {**ATTENTION.default_config(problem, H200), "overlap": 1}
+    assert ATTENTION.check_config(problem, config, H200) is None
+    src = lower(ATTENTION.build(problem, config, H200), H200).kernel_source
+    assert "wgmma_ss" in src and "wgmma_rs" in src
+
+
 def test_attention_lowers_to_mfma_on_gfx942():
     mi300 = Target("hip", "gfx942", "codegen", 304)
     problem = ATTENTION.Problem(1, 4096, 4096, 32, 8, 128, True, "bfloat16")

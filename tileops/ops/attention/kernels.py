@@ -42,9 +42,24 @@ def _visible(query, key, seqlen_q, seqlen_kv, causal: bool):
     return key < seqlen_kv
 
 
+# The KV loop body's 14 statements, scheduled for `overlap`: K load (0), clear S and Q K^T (1-2),
+# mask and online softmax (3-10), rescale O (11), V load (12), P V (13). In steady state
+# iteration k issues Q K^T(k), then the rescale and P V of k - 1 (stage 1), then the softmax of
+# k, so the tensor cores work on one product while the softmax of the other runs.
+_EMIT = [0, 1, 2, 11, 12, 13, *range(3, 11)]
+_OVERLAP = {"order": [_EMIT.index(i) for i in range(14)],
+            "stage": [int(i in (11, 12, 13)) for i in range(14)]}
+
+
 def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype: str, *,
-                block_M: int, block_N: int, num_stages: int, threads: int):
-    """The GPU tile program: T.gemm for Q K^T and P V (wgmma on sm_90a), pipelined KV loads."""
+                block_M: int, block_N: int, num_stages: int, threads: int, overlap: int = 0):
+    """The GPU tile program: T.gemm for Q K^T and P V (wgmma on sm_90a), pipelined KV loads.
+
+    With `overlap` 0, TileLang warp-specialises it on sm_90a: a TMA producer warpgroup feeds
+    `threads` of wgmma consumers through `num_stages` K/V buffers. With `overlap` 1 the loop is
+    scheduled by hand (`_OVERLAP`, two stages, cp.async loads, no producer warpgroup) so that the
+    softmax of one KV block sits between the products of its neighbours.
+    """
     batch, seqlen_q, seqlen_kv = T.dynamic("batch"), T.dynamic("seqlen_q"), T.dynamic("seqlen_kv")
     group = heads_q // heads_kv
     scale = head_dim ** -0.5 * LOG2E
@@ -78,8 +93,12 @@ def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
             T.fill(acc, 0)
             T.fill(l, 0)
             T.fill(m, neg_inf)
-            for kb in T.Pipelined(_kv_blocks(q0, block_M, block_N, seqlen_q, seqlen_kv, causal),
-                                  num_stages=num_stages):
+            n_blocks = _kv_blocks(q0, block_M, block_N, seqlen_q, seqlen_kv, causal)
+            if overlap and causal:
+                # The overlapped pipeline runs at least one (then fully masked) block.
+                n_blocks = T.max(n_blocks, 1)
+            for kb in T.Pipelined(n_blocks, **(_OVERLAP if overlap else
+                                               {"num_stages": num_stages})):
                 T.copy(K[b, kb * block_N:(kb + 1) * block_N, kv_head, :], K_s)
                 T.clear(S)
                 T.gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)

@@ -165,11 +165,9 @@ class AttentionSpec(OpSpec):
         D = problem.head_dim
         if target.kind == "hip":
             return {"block_M": 64, "block_N": 64, "num_stages": 1, "threads": 256}
-        if D <= 64:
-            return {"block_M": 128, "block_N": 128, "num_stages": 2, "threads": 256}
         if D <= 128:
-            return {"block_M": 128, "block_N": 128, "num_stages": 2, "threads": 256}
-        return {"block_M": 128, "block_N": 64, "num_stages": 1, "threads": 256}
+            return {"block_M": 128, "block_N": 128, "num_stages": 2, "threads": 256, "overlap": 0}
+        return {"block_M": 128, "block_N": 64, "num_stages": 1, "threads": 256, "overlap": 0}
 
     def check_config(self, problem: AttentionProblem, config: Config,
                      target: Target) -> str | None:
@@ -177,6 +175,8 @@ class AttentionSpec(OpSpec):
             return None
         bm, bn, D = config["block_M"], config["block_N"], problem.head_dim
         threads, stages = config["threads"], config["num_stages"]
+        if config.get("overlap") and stages != 2:
+            return "overlap schedules its own two-stage pipeline (num_stages 2 only)"
         esize = DTYPE_SIZES[problem.dtype]
         # Q and O tiles, plus K and V tiles per pipeline stage.
         smem = (2 * bm * D + max(stages, 1) * 2 * bn * D) * esize
