@@ -15,15 +15,10 @@ loop stops at the last block the query block can see.
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations, which
 # refer to closure variables.
-import math
-
 import tilelang.cpu.language as TC
 import tilelang.language as T
 
-from ..common import ACCUM, bits, from_f32, to_f32
-
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
+from ..common import ACCUM, LN2, LOG2E, bits, from_f32, softmax_offset, to_f32
 
 
 def _kv_blocks(q_start, block_M: int, block_N: int, seqlen_q, seqlen_kv, causal: bool):
@@ -109,8 +104,7 @@ def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
                 T.copy(m, m_prev)
                 T.reduce_max(S, m, dim=1, clear=False)
                 for i in T.Parallel(block_M):
-                    # A row with no visible key yet keeps m = -inf; subtract 0 instead (no NaN).
-                    m_safe[i] = T.if_then_else(m[i] == neg_inf, 0, m[i])
+                    m_safe[i] = softmax_offset(m[i])
                     alpha[i] = T.exp2(m_prev[i] - m_safe[i])
                 for i, j in T.Parallel(block_M, block_N):
                     S[i, j] = T.exp2(S[i, j] - m_safe[i])
@@ -192,7 +186,7 @@ def cpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
                             _visible(q0 + i, k0 + j, seqlen_q, seqlen_kv, causal),
                             s[i, j] * scale, neg_inf)
                         m[i] = TC.max(m[i], s[i, j])
-                    m_safe[i] = TC.if_then_else(m[i] == neg_inf, 0.0, m[i])
+                    m_safe[i] = softmax_offset(m[i])
                     alpha[i] = TC.exp2(alpha[i] - m_safe[i])
                     l[i] = l[i] * alpha[i]
                     for j in TC.serial(block_N):
