@@ -11,7 +11,7 @@ copies zero-fill out-of-range elements; the CPU program checks its bounds).
 import tilelang.cpu.language as TC
 import tilelang.language as T
 
-ACCUM = "float32"
+from ..common import ACCUM, bits, from_f32, to_f32
 
 
 def gpu_program(N: int, K: int, dtype: str, out_dtype: str, trans_b: bool, *, block_M: int,
@@ -43,27 +43,6 @@ def gpu_program(N: int, K: int, dtype: str, out_dtype: str, trans_b: bool, *, bl
     return gemm
 
 
-# The C backend has no bfloat16 type: bf16 tensors enter and leave the CPU program as their
-# uint16 bit patterns and are converted here (round to nearest even on the way out).
-def _bits(dtype: str) -> str:
-    return "uint16" if dtype == "bfloat16" else dtype
-
-
-def _to_f32(x, dtype: str):
-    if dtype == "bfloat16":
-        return T.reinterpret(T.shift_left(T.cast(x, "uint32"), T.uint32(16)), "float32")
-    return T.cast(x, ACCUM)
-
-
-def _from_f32(v, dtype: str):
-    if dtype != "bfloat16":
-        return T.cast(v, dtype)
-    bits = T.reinterpret(v, "uint32")
-    rounded = T.shift_right(bits + T.uint32(0x7FFF) + T.bitwise_and(T.shift_right(bits, T.uint32(16)),
-                                                                     T.uint32(1)), T.uint32(16))
-    return T.cast(T.if_then_else(T.isnan(v), T.uint32(0x7FC0), rounded), "uint16")
-
-
 def cpu_program(N: int, K: int, dtype: str, out_dtype: str, trans_b: bool, *, block_M: int,
                 block_N: int, block_K: int):
     """The CPU form of the same tile program, for TileLang's C target.
@@ -75,8 +54,8 @@ def cpu_program(N: int, K: int, dtype: str, out_dtype: str, trans_b: bool, *, bl
     b_shape = (N, K) if trans_b else (K, N)
 
     @TC.prim_func
-    def gemm(A: TC.Tensor((M, K), _bits(dtype)), B: TC.Tensor(b_shape, _bits(dtype)),
-             C: TC.Tensor((M, N), _bits(out_dtype))):
+    def gemm(A: TC.Tensor((M, K), bits(dtype)), B: TC.Tensor(b_shape, bits(dtype)),
+             C: TC.Tensor((M, N), bits(out_dtype))):
         with TC.Kernel(TC.ceildiv(N, block_N), TC.ceildiv(M, block_M)) as (bx, by):
             a = TC.alloc_local((block_M, block_K), ACCUM)
             b = TC.alloc_local((block_K, block_N), ACCUM)
@@ -86,18 +65,18 @@ def cpu_program(N: int, K: int, dtype: str, out_dtype: str, trans_b: bool, *, bl
             for ko in TC.serial(TC.ceildiv(K, block_K)):
                 for i, kk in TC.grid(block_M, block_K):
                     m, k = by * block_M + i, ko * block_K + kk
-                    a[i, kk] = TC.if_then_else(m < M and k < K, _to_f32(A[m, k], dtype), 0.0)
+                    a[i, kk] = TC.if_then_else(m < M and k < K, to_f32(A[m, k], dtype), 0.0)
                 for kk, j in TC.grid(block_K, block_N):
                     n, k = bx * block_N + j, ko * block_K + kk
                     if trans_b:
-                        b[kk, j] = TC.if_then_else(n < N and k < K, _to_f32(B[n, k], dtype), 0.0)
+                        b[kk, j] = TC.if_then_else(n < N and k < K, to_f32(B[n, k], dtype), 0.0)
                     else:
-                        b[kk, j] = TC.if_then_else(n < N and k < K, _to_f32(B[k, n], dtype), 0.0)
+                        b[kk, j] = TC.if_then_else(n < N and k < K, to_f32(B[k, n], dtype), 0.0)
                 for i, kk, j in TC.grid(block_M, block_K, block_N):
                     acc[i, j] += a[i, kk] * b[kk, j]
             # Element by element: the C backend's vectorised fp16 cast is broken.
             for i, j in TC.grid(block_M, block_N):
                 if by * block_M + i < M and bx * block_N + j < N:
-                    C[by * block_M + i, bx * block_N + j] = _from_f32(acc[i, j], out_dtype)
+                    C[by * block_M + i, bx * block_N + j] = from_f32(acc[i, j], out_dtype)
 
     return gemm

@@ -15,16 +15,15 @@ import torch
 
 from ...spec import Call, Config, OpSpec, pow2_bucket
 from ...target import Target
+from ..common import DTYPE_NAMES as _NAMES
+from ..common import DTYPE_SIZES as _SIZES
+from ..common import DTYPES, BitsAdapter, kernel_hash, smem_limit
+from ..common import dtype_name as _name
 from . import kernels
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_NAMES = {v: k for k, v in DTYPES.items()}
-_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # What each device type's kernels take as inputs.
 SUPPORTED = {"cuda": ("float16", "bfloat16"), "cpu": ("float32", "float16", "bfloat16")}
 _ACCEPTED = {(DTYPES[name], kind == "cuda") for kind, names in SUPPORTED.items() for name in names}
-# Shared memory a block may use, by CUDA arch family (bytes).
-_SMEM_LIMIT = {"sm_90": 227 * 1024, "sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024}
 
 
 class GemmProblem(NamedTuple):
@@ -34,10 +33,6 @@ class GemmProblem(NamedTuple):
     dtype: str
     layout: str
     out_dtype: str
-
-
-def _name(dtype: torch.dtype) -> str:
-    return _NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
 class GemmSpec(OpSpec):
@@ -138,7 +133,7 @@ class GemmSpec(OpSpec):
         threads, stages = config["threads"], config["num_stages"]
         esize = _SIZES[problem.dtype]
         smem = stages * (bm * bk + bk * bn) * esize
-        limit = _SMEM_LIMIT.get(target.arch.rstrip("a"), 99 * 1024)
+        limit = smem_limit(target.arch)
         if smem > limit:
             return f"shared memory {smem // 1024} KiB > {limit // 1024} KiB"
         if bm * bn // threads > 128:
@@ -157,8 +152,11 @@ class GemmSpec(OpSpec):
             return kernels.cpu_program(N, K, dtype, out_dtype, trans_b, **config)
         return kernels.gpu_program(N, K, dtype, out_dtype, trans_b, **config)
 
+    def kernel_hash(self) -> str:
+        return kernel_hash(self.kernel_module)
+
     def adapt(self, kernel: Any, target: Target) -> Any:
-        return _BitsAdapter(kernel) if target.kind == "cpu" else kernel
+        return BitsAdapter(kernel) if target.kind == "cpu" else kernel
 
     def launch(self, kernel, args: tuple, out: torch.Tensor | None = None) -> torch.Tensor:
         a, b, trans_b, out_dtype = args
@@ -199,16 +197,6 @@ class GemmSpec(OpSpec):
     def tolerance(self, problem: GemmProblem) -> float:
         low = {"float16", "bfloat16"}
         return 1e-2 if low & {problem.dtype, problem.out_dtype} else 1e-5
-
-
-class _BitsAdapter:
-    """The CPU program takes bf16 tensors as their uint16 bit patterns (C has no bf16 type)."""
-
-    def __init__(self, kernel: Any):
-        self.kernel = kernel
-
-    def __call__(self, *tensors: torch.Tensor) -> None:
-        self.kernel(*(t.view(torch.uint16) if t.dtype is torch.bfloat16 else t for t in tensors))
 
 
 GEMM = GemmSpec()
