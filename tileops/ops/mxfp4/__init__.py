@@ -24,6 +24,8 @@ def mxfp4_gemm(a: torch.Tensor, w_fp4: torch.Tensor, w_scale: torch.Tensor) -> t
 
     a: (M, K) bfloat16 or float16, K a multiple of 32. The weight is decoded inside the kernel
     (never materialised in memory); accumulation is fp32; the output (M, N) has a's dtype.
+    The GPU kernel decodes to a's dtype for the matrix units: bf16 holds every MXFP4 value
+    but +-6 * 2^127; fp16 only weights within its range (|w| <= 65504, larger scales overflow).
     """
     if torch.compiler.is_compiling():
         return _op(a, w_fp4, w_scale)
