@@ -118,7 +118,7 @@ def test_make_inputs_builds_a_shuffled_paged_problem():
     problem = MLA_DECODE.parse_problem("B3xS1000xH16xQ2", "bfloat16")
     assert problem == MLA_DECODE.Problem(3, 1024, 16, 2, "bfloat16")
     q, kv, table, seqlens = MLA_DECODE.make_inputs(problem, CPU, seed=1, sizes={"seqlen": 513})
-    assert int(seqlens.max()) == 513 and int(seqlens.min()) >= 256
+    assert int(seqlens.max()) == 513 and int(seqlens.min()) >= 450
     assert MLA_DECODE.prepare(q, kv, table, seqlens).problem.seqlen == 1024
     used = table[table >= 0]
     assert len(used.unique()) == len(used) and not torch.equal(used, used.sort().values)

@@ -177,14 +177,15 @@ class MlaDecodeSpec(OpSpec):
     # ---- inputs, reference, roofline ------------------------------------------------------------
     def make_inputs(self, problem: MlaProblem, device: torch.device, seed: int = 0,
                     sizes: dict[str, int] | None = None) -> tuple:
-        """Lengths vary between half the longest and the longest (the first sequence); each
+        """Lengths vary within the longest one's last page (the FLOP and byte models count
+        `seqlen` keys per sequence: exact to within 64 keys), the first sequence the longest; each
         sequence's pages are scattered over the cache by a random permutation; table entries past
         a sequence's pages hold -1 (never read)."""
         B, h_q, s_q = problem.batch, problem.h_q, problem.s_q
         longest = (sizes or {}).get("seqlen", problem.seqlen)
         gen = torch.Generator(device=device).manual_seed(seed)
         dtype = DTYPES[problem.dtype]
-        lo = max(s_q, longest // 2)
+        lo = max(s_q, longest - PAGE + 1)
         seqlens = torch.randint(lo, longest + 1, (B,), generator=gen, device=device,
                                 dtype=torch.int32)
         seqlens[0] = longest
@@ -206,6 +207,7 @@ class MlaDecodeSpec(OpSpec):
         return 2.0 * problem.batch * problem.s_q * problem.h_q * problem.seqlen * (D_QK + D_LATENT)
 
     def bytes_moved(self, problem: MlaProblem) -> float:
+        """The cache rows read (seqlen per sequence, each 576 wide) plus q and out."""
         B, S, h_q, s_q = problem.batch, problem.seqlen, problem.h_q, problem.s_q
         return (B * S * D_QK + B * s_q * h_q * (D_QK + D_LATENT)) * DTYPE_SIZES[problem.dtype]
 
