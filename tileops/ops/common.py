@@ -24,8 +24,9 @@ LN2 = 0.6931471805599453
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
-# Shared memory a CUDA thread block may use, by arch family (bytes).
-SMEM_LIMIT = {"sm_90": 227 * 1024, "sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024}
+# Shared memory (LDS on AMD, threadgroup memory on Apple) one thread block may use, by arch (bytes).
+SMEM_LIMIT = {"sm_90": 227 * 1024, "sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024,
+              "gfx950": 160 * 1024, "apple": 32 * 1024}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -34,8 +35,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def smem_limit(arch: str) -> int:
-    """Shared memory (bytes) one thread block may use on a CUDA arch (`sm_90a` etc.)."""
-    return SMEM_LIMIT.get(arch.rstrip("a"), 99 * 1024)
+    """Shared memory (bytes) one thread block may use on an arch (`sm_90a`, `gfx942`, `apple`)."""
+    if arch.startswith("sm_"):
+        return SMEM_LIMIT.get(arch.rstrip("a"), 99 * 1024)
+    return SMEM_LIMIT.get(arch, 64 * 1024)  # 64 KiB of LDS on CDNA and RDNA
 
 
 def bits(dtype: str) -> str:

@@ -15,8 +15,13 @@ from ..common import ACCUM, bits, from_f32, to_f32
 
 
 def gpu_program(N: int, K: int, dtype: str, out_dtype: str, trans_b: bool, *, block_M: int,
-                block_N: int, block_K: int, num_stages: int, threads: int, swizzle: int):
-    """The GPU tile program (wgmma on sm_90a, mma on older CUDA, MFMA/WMMA on HIP)."""
+                block_N: int, block_K: int, num_stages: int, threads: int, swizzle: int,
+                k_pack: int = 1):
+    """The GPU tile program (wgmma on sm_90a, mma on older CUDA, MFMA/WMMA on HIP).
+
+    `k_pack` packs K for AMD's MFMA (ignored elsewhere; only the hip space varies it).
+    """
+    gemm_annotations = {"k_pack": k_pack} if k_pack != 1 else None
     M = T.dynamic("m")
     b_shape = (N, K) if trans_b else (K, N)
     b_tile = (block_N, block_K) if trans_b else (block_K, block_N)
@@ -37,7 +42,7 @@ def gpu_program(N: int, K: int, dtype: str, out_dtype: str, trans_b: bool, *, bl
                     T.copy(B[bx * block_N, ko * block_K], B_s)
                 else:
                     T.copy(B[ko * block_K, bx * block_N], B_s)
-                T.gemm(A_s, B_s, C_f, transpose_B=trans_b)
+                T.gemm(A_s, B_s, C_f, transpose_B=trans_b, annotations=gemm_annotations)
             T.copy(C_f, C[by * block_M, bx * block_N])
 
     return gemm

@@ -115,6 +115,12 @@ class GemmSpec(OpSpec):
         M, N = problem.M, problem.N
         if target.kind == "cpu":
             return {"block_M": min(M, 32) if M <= 32 else 32, "block_N": 32, "block_K": 64}
+        if target.kind == "hip":  # 4 wavefronts, 32 KiB of LDS for two stages
+            return {"block_M": 128, "block_N": 128, "block_K": 32, "num_stages": 2,
+                    "threads": 256, "swizzle": 0, "k_pack": 1}
+        if target.kind == "metal":  # within 32 KiB of threadgroup memory
+            return {"block_M": 64, "block_N": 64, "block_K": 32, "num_stages": 0,
+                    "threads": 128, "swizzle": 0}
         units = target.units or 132
         if M <= 64:  # decode: bound by reading B; spread it over as many CTAs as possible
             block_N = 64 if units <= -(-N // 64) else 32

@@ -25,8 +25,6 @@ from .format import BLOCK, check_packed, dequantize_mxfp4, quantize_mxfp4
 
 SUPPORTED = ("bfloat16", "float16")  # A and C, on every device
 _ACCEPTED = {DTYPES[name] for name in SUPPORTED}
-# Shared (LDS / threadgroup) memory a block may use outside CUDA (bytes).
-_SMEM_OTHER = {"hip": 64 * 1024, "metal": 32 * 1024}
 
 
 class Mxfp4Problem(NamedTuple):
@@ -139,7 +137,7 @@ class Mxfp4GemmSpec(OpSpec):
         esize = DTYPE_SIZES[problem.dtype]
         per_stage = bm * bk * esize + bn * bk // 2 + bn * bk // BLOCK + bn * bk * esize
         smem = max(stages, 1) * per_stage + 64
-        limit = smem_limit(target.arch) if target.kind == "cuda" else _SMEM_OTHER[target.kind]
+        limit = smem_limit(target.arch)
         if smem > limit:
             return f"shared memory {smem // 1024} KiB > {limit // 1024} KiB"
         if bm * bn // threads > 128:
