@@ -1,0 +1,116 @@
+"""Benchmark any operator over a suite: tileops as a user calls it against the spec's baseline.
+
+    python benchmarks/harness.py --suite gemm_llama [--dtype bfloat16] [--limit N] [--device auto]
+
+For each problem, in one process on the same inputs and with the tuner's timer (CUDA events after
+warm-up, L2 flushed before each launch, median): the public call through dispatch (`tileops_us`),
+the baseline (`baseline_us`), and the best tile kernel on its own (`tile_us`, the configuration
+dispatch resolved, launched directly). Writes `results/<device>/<op>.json` in the results format of
+the project's guide, which `benchmarks/report.py` renders; resumable (`--resume` keeps the cases
+already in the file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import tileops
+from tileops.dispatch import DISPATCHER, compile_kernel
+from tileops.spec import OpSpec
+from tileops.target import Target, resolve_device
+from tuner import suites
+from tuner.evaluate import relative_error
+from tuner.timing import Timer
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def device_dir(target: Target) -> str:
+    """`h200` for "NVIDIA H200": the short name results are filed under."""
+    name = re.sub(r"^(nvidia|amd|apple|intel)\s+", "", target.device.lower())
+    name = re.sub(r"[^a-z0-9]+", "_", name).strip("_")
+    return name or target.kind
+
+
+def versions() -> dict[str, str]:
+    import tilelang
+
+    return {"tileops": tileops.__version__, "tilelang": tilelang.__version__,
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda or getattr(torch.version, "hip", None) or ""}
+
+
+def run_case(spec: OpSpec, problem: tuple, target: Target, device: torch.device,
+             timer: Timer) -> dict[str, Any]:
+    """Time one problem three ways and check the user call against the reference."""
+    inputs = spec.make_inputs(problem, device, seed=7)
+    call = spec.prepare(*inputs)
+    out = DISPATCHER(spec, *inputs)
+    error = relative_error(out, spec.reference(inputs))
+    if not error <= spec.tolerance(problem):
+        raise AssertionError(f"{spec.problem_label(problem)}: relative error {error:.2e}")
+    choice = DISPATCHER.choice(spec, target, call.problem)
+    kernel = compile_kernel(spec, call.problem, choice.config, target)
+    tileops_us = timer.measure(lambda: DISPATCHER(spec, *inputs)).median_us
+    tile_us = timer.measure(lambda: spec.launch(kernel, call.args)).median_us
+    baseline_us = timer.measure(lambda: spec.launch_baseline(call.args)).median_us
+    fields = spec.problem_dict(problem)
+    return {
+        "problem": {k: v for k, v in fields.items() if k != "dtype"},
+        "dtype": fields.get("dtype"),
+        "tileops_us": tileops_us, "baseline_us": baseline_us,
+        "speedup": baseline_us / tileops_us,
+        "tflops": spec.flops(problem) / tileops_us / 1e6,
+        "gbps": spec.bytes_moved(problem) / tileops_us / 1e3,
+        "chosen": "baseline" if choice.use_baseline else "tile",
+        "tile_us": tile_us, "source": choice.source if choice.exact else f"{choice.source}~",
+        "config": choice.config, "rel_error": error,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--suite", required=True)
+    ap.add_argument("--dtype", help="comma-separated dtypes to keep (default: the suite's)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--limit", type=int, help="first N problems only")
+    ap.add_argument("--out", type=Path, help="default results/<device>/<op>.json")
+    ap.add_argument("--resume", action="store_true", help="keep cases already in --out")
+    args = ap.parse_args(argv)
+
+    suite = suites.load(args.suite, args.dtype.split(",") if args.dtype else None)
+    spec = tileops.get_spec(suite.op)
+    target, device = resolve_device(args.device)
+    out = args.out or RESULTS / device_dir(target) / f"{spec.name}.json"
+    report = {"op": spec.name, "device": target.device, "baseline": spec.baseline_name,
+              "versions": versions(), "cases": []}
+    if args.resume and out.exists():
+        report["cases"] = json.loads(out.read_text())["cases"]
+    done = {json.dumps([c["problem"], c["dtype"]], sort_keys=True) for c in report["cases"]}
+    timer = Timer(device)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for problem in suite.problems[: args.limit]:
+        fields = spec.problem_dict(problem)
+        key = json.dumps([{k: v for k, v in fields.items() if k != "dtype"}, fields.get("dtype")],
+                         sort_keys=True)
+        if key in done:
+            continue
+        case = run_case(spec, problem, target, device, timer)
+        report["cases"].append(case)
+        out.write_text(json.dumps(report, indent=1))  # after every case: a stop loses nothing
+        print(f"{spec.problem_label(problem)}: tileops {case['tileops_us']:.1f} us "
+              f"({case['chosen']}, tile {case['tile_us']:.1f} us), {spec.baseline_name} "
+              f"{case['baseline_us']:.1f} us, x{case['speedup']:.2f}", flush=True)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
