@@ -8,7 +8,9 @@ prediction) token t sees keys j < seqlen - (s_q - 1 - t).
 
 Problem key: (batch, seqlen bucket, h_q, s_q, dtype); the bucket is the next power of two at or
 above the longest sequence of the batch. The compiled kernel depends only on (h_q, s_q, dtype) and
-the configuration: batch, cache size, table width and the lengths are run-time values.
+the configuration: batch, cache size, table width and the lengths are run-time values, so a
+serving loop whose batch changes compiles at most one kernel per distinct configuration (in
+practice per num_splits the heuristic or the database picks).
 
 The problem text of `parse_problem` is `B<batch>xS<seqlen>xH<h_q>` with an optional `xQ<s_q>`,
 e.g. `B64xS4096xH128` or `B4xS1000xH16xQ2`.
