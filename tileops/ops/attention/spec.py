@@ -31,14 +31,12 @@ import torch
 
 from ...spec import Call, Config, OpSpec, pow2_bucket
 from ...target import Target
-from ..common import DTYPE_NAMES, DTYPE_SIZES, DTYPES, BitsAdapter, dtype_name, kernel_hash
+from ..common import DTYPE_NAMES, DTYPE_SIZES, DTYPES, BitsAdapter, dtype_name, kernel_hash, smem_limit
 from . import kernels
 
 SUPPORTED = {"cuda": ("float16", "bfloat16"), "cpu": ("float32", "float16", "bfloat16")}
 HEAD_DIMS = (64, 128, 256)
 _ACCEPTED = {(DTYPES[name], kind == "cuda") for kind, names in SUPPORTED.items() for name in names}
-# Shared memory a CUDA thread block may use, by arch family (bytes).
-_SMEM_LIMIT = {"sm_90": 227 * 1024, "sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024}
 _NO_METAL = ("flash_attention has no Metal kernel: TileLang cannot lower its row reductions "
              "(online softmax) for Metal")
 
@@ -180,8 +178,7 @@ class AttentionSpec(OpSpec):
         esize = DTYPE_SIZES[problem.dtype]
         # Q and O tiles, plus K and V tiles per pipeline stage.
         smem = (2 * bm * D + max(stages, 1) * 2 * bn * D) * esize
-        limit = _SMEM_LIMIT.get(target.arch.rstrip("a"), 99 * 1024) if target.kind == "cuda" \
-            else 64 * 1024
+        limit = smem_limit(target.arch)
         if smem > limit:
             return f"shared memory {smem // 1024} KiB > {limit // 1024} KiB"
         regs = (bm * D + bm * bn + bm * bn // 2) // threads  # O and S accumulators, P
