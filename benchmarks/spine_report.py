@@ -2,7 +2,7 @@
 
     python benchmarks/spine_report.py --out results.json
 
-Times with CUDA events after warm-up, median of repeats, L2 flushed before each repeat. The
+Times with the tuner's timer (CUDA events after warm-up, L2 flushed before each launch, median). The
 dispatch overhead is measured on a tiny problem whose GPU time is far below the host time, so a
 loop of asynchronous launches measures the host path alone.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
@@ -21,26 +20,18 @@ from tileops import dispatch
 from tileops.dispatch import DISPATCHER
 from tileops.ops.gemm import GEMM
 from tileops.target import target_of
+from tuner.timing import Timer
 
 SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192)] + [
     (M, N, K) for M in (16, 4096) for N, K in ((6144, 4096), (4096, 4096), (28672, 4096),
                                                (4096, 14336))]
 
 
-def cuda_time_us(fn, reps: int = 50, warmup: int = 10) -> float:
-    flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+_TIMER = Timer(torch.device("cuda")) if torch.cuda.is_available() else None
+
+
+def cuda_time_us(fn) -> float:
+    return _TIMER.measure(fn).median_us
 
 
 def host_us(fn, n: int = 20000) -> float:
