@@ -81,6 +81,8 @@ class BitsAdapter:
 
 @functools.cache
 def kernel_hash(module: str) -> str:
-    """Hash of a kernel module's source together with this one's (its kernels call helpers here)."""
-    source = "".join(inspect.getsource(importlib.import_module(m)) for m in (module, __name__))
+    """Hash of a kernel module's source together with the shared helpers its kernels call (this
+    module and the CPU tile steps)."""
+    shared = (__name__, __name__.rsplit(".", 1)[0] + ".cpu_tiles")
+    source = "".join(inspect.getsource(importlib.import_module(m)) for m in (module, *shared))
     return hashlib.sha256(source.encode()).hexdigest()[:16]

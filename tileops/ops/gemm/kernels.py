@@ -11,7 +11,8 @@ copies zero-fill out-of-range elements; the CPU program checks its bounds).
 import tilelang.cpu.language as TC
 import tilelang.language as T
 
-from ..common import ACCUM, bits, from_f32, to_f32
+from ..common import ACCUM, bits
+from ..cpu_tiles import accumulate, stage, store, zero
 
 
 def gpu_program(N: int, K: int, dtype: str, out_dtype: str, trans_b: bool, *, block_M: int,
@@ -65,23 +66,11 @@ def cpu_program(N: int, K: int, dtype: str, out_dtype: str, trans_b: bool, *, bl
             a = TC.alloc_local((block_M, block_K), ACCUM)
             b = TC.alloc_local((block_K, block_N), ACCUM)
             acc = TC.alloc_local((block_M, block_N), ACCUM)
-            for i, j in TC.grid(block_M, block_N):
-                acc[i, j] = 0.0
+            zero(acc)
             for ko in TC.serial(TC.ceildiv(K, block_K)):
-                for i, kk in TC.grid(block_M, block_K):
-                    m, k = by * block_M + i, ko * block_K + kk
-                    a[i, kk] = TC.if_then_else(m < M and k < K, to_f32(A[m, k], dtype), 0.0)
-                for kk, j in TC.grid(block_K, block_N):
-                    n, k = bx * block_N + j, ko * block_K + kk
-                    if trans_b:
-                        b[kk, j] = TC.if_then_else(n < N and k < K, to_f32(B[n, k], dtype), 0.0)
-                    else:
-                        b[kk, j] = TC.if_then_else(n < N and k < K, to_f32(B[k, n], dtype), 0.0)
-                for i, kk, j in TC.grid(block_M, block_K, block_N):
-                    acc[i, j] += a[i, kk] * b[kk, j]
-            # Element by element: the C backend's vectorised fp16 cast is broken.
-            for i, j in TC.grid(block_M, block_N):
-                if by * block_M + i < M and bx * block_N + j < N:
-                    C[by * block_M + i, bx * block_N + j] = from_f32(acc[i, j], out_dtype)
+                stage(a, A, M, K, by * block_M, ko * block_K, dtype, False)
+                stage(b, B, K, N, ko * block_K, bx * block_N, dtype, trans_b)
+                accumulate(acc, a, b)
+            store(C, acc, M, N, by * block_M, bx * block_N, out_dtype)
 
     return gemm

@@ -17,7 +17,8 @@ Either value is multiplied by the block's scale, whose fp32 bits are built from 
 import tilelang.cpu.language as TC
 import tilelang.language as T
 
-from ..common import ACCUM, bits, from_f32, to_f32
+from ..common import ACCUM, bits
+from ..cpu_tiles import accumulate, stage, store, zero
 from .format import BLOCK, E2M1_VALUES
 
 
@@ -108,12 +109,9 @@ def cpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block
             if lut:
                 for c in TC.serial(16):
                     table[c] = _code_value_select(TC.cast(c, "uint32"))
-            for i, j in TC.grid(block_M, block_N):
-                acc[i, j] = 0.0
+            zero(acc)
             for ko in TC.serial(TC.ceildiv(K, block_K)):
-                for i, kk in TC.grid(block_M, block_K):
-                    m, k = by * block_M + i, ko * block_K + kk
-                    a[i, kk] = TC.if_then_else(m < M and k < K, to_f32(A[m, k], dtype), 0.0)
+                stage(a, A, M, K, by * block_M, ko * block_K, dtype, False)
                 for kk, j in TC.grid(block_K, block_N):
                     n, k = bx * block_N + j, ko * block_K + kk
                     if n < N and k < K:
@@ -122,11 +120,7 @@ def cpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block
                         b[kk, j] = value * _scale(S[n, k // BLOCK])
                     else:
                         b[kk, j] = 0.0
-                for i, kk, j in TC.grid(block_M, block_K, block_N):
-                    acc[i, j] += a[i, kk] * b[kk, j]
-            # Element by element: the C backend's vectorised fp16 cast is broken.
-            for i, j in TC.grid(block_M, block_N):
-                if by * block_M + i < M and bx * block_N + j < N:
-                    C[by * block_M + i, bx * block_N + j] = from_f32(acc[i, j], dtype)
+                accumulate(acc, a, b)
+            store(C, acc, M, N, by * block_M, bx * block_N, dtype)
 
     return mxfp4_gemm
