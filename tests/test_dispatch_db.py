@@ -190,3 +190,16 @@ def test_put_replaces_the_record_with_the_same_key(tmp_path):
         rows = db.records("gemm", CPU_T.key)
     assert len(rows) == 2 and {r.tile_us for r in rows} == {3.0, 10.0}
     assert db.integrity_errors() == []
+
+
+def test_target_without_a_kernel_is_refused_clearly(monkeypatch):
+    # Dispatch refuses a target kind the operator has no kernel for, before compiling anything.
+    from tileops import dispatch as dispatch_module
+    from tileops.ops import SPECS
+
+    ascend = Target("ascend", "Ascend910B", "Ascend910B", 30)
+    monkeypatch.setattr(dispatch_module._target, "target_of", lambda device: ascend)
+    for spec in SPECS.values():
+        assert "ascend" in spec.unsupported_reason(ascend)
+    with pytest.raises(NotImplementedError, match="gemm has no kernel for ascend"):
+        tileops.gemm(torch.randn(2, 3), torch.randn(3, 4))

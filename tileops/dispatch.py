@@ -82,6 +82,9 @@ class Dispatcher:
 
     def _launcher(self, spec: OpSpec, device: torch.device, problem: tuple) -> Launcher:
         target = _target.target_of(device)
+        reason = spec.unsupported_reason(target)
+        if reason:
+            raise NotImplementedError(reason)
         choice = self.choice(spec, target, problem)
         if choice.use_baseline:
             launcher: Launcher = spec.launch_baseline

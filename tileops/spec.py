@@ -55,6 +55,8 @@ class OpSpec(abc.ABC):
     bucketed: ClassVar[tuple[str, ...]] = ()
     categorical: ClassVar[tuple[str, ...]] = ()  # problem fields that must match exactly
     baseline_name: ClassVar[str]
+    # Target kinds with no kernel, and why; kinds with no table in configs/<op>.toml have none too.
+    unsupported: ClassVar[dict[str, str]] = {}
 
     # ---- problems -------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -86,8 +88,20 @@ class OpSpec(abc.ABC):
         return total
 
     # ---- configuration space --------------------------------------------------------------------
+    def unsupported_reason(self, target: Target) -> str | None:
+        """Why this operator has no kernel for the target's kind (None: it has one)."""
+        if target.kind in self.unsupported:
+            return f"{self.name} is not available on {target.kind}: {self.unsupported[target.kind]}"
+        if target.kind not in _space_kinds(self.name):
+            return (f"{self.name} has no kernel for {target.kind} targets yet "
+                    f"(configs/{self.name}.toml has no [{target.kind}] space)")
+        return None
+
     def space(self, target: Target) -> dict[str, list[Any]]:
         """The search space for a target kind, read from `configs/<op>.toml`."""
+        reason = self.unsupported_reason(target)
+        if reason:
+            raise ValueError(reason)
         return _load_space(self.name, target.kind)
 
     def space_hash(self, target: Target) -> str:
@@ -170,13 +184,17 @@ class OpSpec(abc.ABC):
 
 
 @functools.cache
+def _spaces(op: str) -> dict[str, dict[str, Any]]:
+    with open(data_dir("configs") / f"{op}.toml", "rb") as f:
+        return tomllib.load(f)
+
+
+def _space_kinds(op: str) -> set[str]:
+    return set(_spaces(op))
+
+
 def _load_space(op: str, kind: str) -> dict[str, list[Any]]:
-    path = data_dir("configs") / f"{op}.toml"
-    with open(path, "rb") as f:
-        spaces = tomllib.load(f)
-    if kind not in spaces:
-        raise ValueError(f"{op}: no configuration space for target kind {kind!r} in {path}")
-    return {k: list(v) for k, v in spaces[kind].items()}
+    return {k: list(v) for k, v in _spaces(op)[kind].items()}
 
 
 @functools.cache

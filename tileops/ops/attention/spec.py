@@ -64,6 +64,7 @@ class AttentionSpec(OpSpec):
     categorical = ("heads_q", "heads_kv", "head_dim", "causal", "dtype")
     baseline_name = "torch scaled_dot_product_attention (cuDNN on CUDA)"
     kernel_module = kernels.__name__
+    unsupported = {"metal": _NO_METAL}
 
     # ---- problems -------------------------------------------------------------------------------
     def prepare(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -150,14 +151,7 @@ class AttentionSpec(OpSpec):
                                 match.group(2) is not None, dtype)
 
     # ---- configuration --------------------------------------------------------------------------
-    def space(self, target: Target) -> dict[str, list[Any]]:
-        if target.kind == "metal":
-            raise ValueError(_NO_METAL)
-        return super().space(target)
-
     def default_config(self, problem: AttentionProblem, target: Target) -> Config:
-        if target.kind == "metal":
-            raise ValueError(_NO_METAL)
         if target.kind == "cpu":
             return {"block_M": 16, "block_N": 32}
         D = problem.head_dim
@@ -190,8 +184,6 @@ class AttentionSpec(OpSpec):
 
     # ---- kernels --------------------------------------------------------------------------------
     def build(self, problem: AttentionProblem, config: Config, target: Target) -> Any:
-        if target.kind == "metal":
-            raise ValueError(_NO_METAL)
         _, _, _, Hq, Hkv, D, causal, dtype = problem
         if target.kind == "cpu":
             return kernels.cpu_program(Hq, Hkv, D, causal, dtype, **config)
