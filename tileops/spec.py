@@ -90,19 +90,22 @@ class OpSpec(abc.ABC):
     # ---- configuration space --------------------------------------------------------------------
     def unsupported_reason(self, target: Target) -> str | None:
         """Why this operator has no kernel for the target's kind (None: it has one)."""
-        if target.kind in self.unsupported:
-            return f"{self.name} is not available on {target.kind}: {self.unsupported[target.kind]}"
-        if target.kind not in _space_kinds(self.name):
-            return (f"{self.name} has no kernel for {target.kind} targets yet "
-                    f"(configs/{self.name}.toml has no [{target.kind}] space)")
+        try:
+            self.space(target)
+        except (ValueError, FileNotFoundError) as e:
+            return str(e)
         return None
 
     def space(self, target: Target) -> dict[str, list[Any]]:
         """The search space for a target kind, read from `configs/<op>.toml`."""
-        reason = self.unsupported_reason(target)
-        if reason:
-            raise ValueError(reason)
-        return _load_space(self.name, target.kind)
+        if target.kind in self.unsupported:
+            raise ValueError(f"{self.name} is not available on {target.kind}: "
+                             f"{self.unsupported[target.kind]}")
+        spaces = _spaces(self.name)
+        if target.kind not in spaces:
+            raise ValueError(f"{self.name} has no kernel for {target.kind} targets yet "
+                             f"(configs/{self.name}.toml has no [{target.kind}] space)")
+        return {k: list(v) for k, v in spaces[target.kind].items()}
 
     def space_hash(self, target: Target) -> str:
         text = json.dumps(self.space(target), sort_keys=True)
@@ -187,14 +190,6 @@ class OpSpec(abc.ABC):
 def _spaces(op: str) -> dict[str, dict[str, Any]]:
     with open(data_dir("configs") / f"{op}.toml", "rb") as f:
         return tomllib.load(f)
-
-
-def _space_kinds(op: str) -> set[str]:
-    return set(_spaces(op))
-
-
-def _load_space(op: str, kind: str) -> dict[str, list[Any]]:
-    return {k: list(v) for k, v in _spaces(op)[kind].items()}
 
 
 @functools.cache

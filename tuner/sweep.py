@@ -70,8 +70,13 @@ class Plan:
         return Limits(self.trials, self.timeout)
 
     def study_name(self, problem: tuple) -> str:
+        """Trials measured one kernel source with one TileLang: a change of either starts a new
+        study rather than reusing timings of kernels that no longer exist."""
+        import tilelang
+
         assert self.space is not None
-        return studies.study_name(self.study_prefix, self.spec.name, self.target.key,
+        prefix = f"{self.study_prefix}@{tilelang.__version__}/{self.spec.kernel_hash()}"
+        return studies.study_name(prefix, self.spec.name, self.target.key,
                                   self.spec.problem_dict(problem), self.space)
 
 
