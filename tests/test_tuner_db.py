@@ -123,7 +123,7 @@ def test_verify_reports_and_prunes(tmp_path, capsys):
     rc, out, _ = run(capsys, "db", "verify", "--db", str(db))
     assert rc == 1
     assert "differ from" in out and "stale" in out and "check_config" in out
-    assert "unknown operator" in out and "4 problem(s)" in out
+    assert "unknown operator" in out and "4 issue(s) found" in out
     rc, out, _ = run(capsys, "db", "verify", "--db", str(db), "--prune")
     assert rc == 0 and "4 record(s) deleted" in out
     assert run(capsys, "db", "verify", "--db", str(db))[0] == 0

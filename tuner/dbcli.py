@@ -75,7 +75,7 @@ def db_command(args: argparse.Namespace) -> int:
         for issue in issues:
             print(f"record {issue.record_id}: {issue.message}" if issue.record_id is not None
                   else issue.message)
-        print(f"{path}: schema version {version}, {len(issues)} problem(s)"
+        print(f"{path}: schema version {version}, {len(issues)} issue(s) found"
               + (f", {pruned} record(s) deleted" if args.prune else ""))
         return 1 if issues and not args.prune else 0
     with dbtools.open_db(path) as tdb:
