@@ -6,19 +6,11 @@ import shutil
 
 import pytest
 
+from tileops.dispatch import lower
 from tileops.ops.gemm import GEMM
 from tileops.target import Target
 
 H200 = Target("cuda", "sm_90a", "codegen", 132)
-
-
-def lower(func, target: Target, device_compile: bool = False):
-    import tilelang
-    import tvm
-
-    t = target.tilelang()
-    with tvm.target.Target(t):
-        return tilelang.lower(func, target=t, enable_device_compile=device_compile)
 
 
 @pytest.mark.parametrize("layout", ["nk", "kn"])

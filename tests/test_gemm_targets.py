@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from tileops.dispatch import lower
 from tileops.ops.gemm import GEMM
 from tileops.target import Target
 
@@ -12,13 +13,9 @@ P = GEMM.Problem(256, 1024, 1024, "float16", "nk", "float16")
 
 
 def source(target: Target, **overrides) -> str:
-    import tilelang
-    import tvm
-
     config = dict(GEMM.default_config(P, target), **overrides)
     assert GEMM.check_config(P, config, target) is None
-    with tvm.target.Target(target.tilelang()):
-        return tilelang.lower(GEMM.build(P, config, target), target=target.tilelang()).kernel_source
+    return lower(GEMM.build(P, config, target), target).kernel_source
 
 
 @pytest.mark.parametrize(

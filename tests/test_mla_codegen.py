@@ -5,8 +5,9 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from test_codegen import H200, lower
+from test_codegen import H200
 
+from tileops.dispatch import lower
 from tileops.ops.mla import MLA_DECODE
 
 

@@ -165,6 +165,16 @@ def test_dry_run_lists_checked_configs_without_hardware(capsys):
                            is None for c in configs)
 
 
+def test_dry_run_lowers_each_config_for_an_absent_target(capsys):
+    space = {"block_M": [64, 128], "block_N": [64], "block_K": [32], "num_stages": [2],
+             "threads": [256], "swizzle": [0], "k_pack": [1, 2]}
+    rc = tune_main(["--device", '{"kind": "hip", "mcpu": "gfx942"}', "--op", "gemm",
+                    "--shape", "256x512x512", "--dtype", "float16", "--space", json.dumps(space),
+                    "--dry-run", "--lower", "--no-warm-start"])
+    out = capsys.readouterr().out.splitlines()
+    assert rc == 0 and len(out) == 5 and all(line.endswith("  lowers") for line in out[1:])
+
+
 def test_suites():
     llama = suites.load("gemm_llama")
     assert llama.op == "gemm" and len(llama.problems) == 7 * 8 * 2

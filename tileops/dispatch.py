@@ -51,6 +51,16 @@ def _compile(func: Any, target: Target) -> Any:
     return tilelang.compile(func, target=target.tilelang())
 
 
+def lower(func: Any, target: Target, device_compile: bool = False) -> Any:
+    """Generate (and with `device_compile`, compile) a program's code for a target without its
+    hardware: how CI checks CUDA, HIP and Metal kernels; `.kernel_source` holds the device code."""
+    import tilelang
+    import tvm
+
+    with tvm.target.Target(target.tilelang()):
+        return tilelang.lower(func, target=target.tilelang(), enable_device_compile=device_compile)
+
+
 class Dispatcher:
     """Maps calls to launchers; one per process (`tileops.dispatch.DISPATCHER`)."""
 

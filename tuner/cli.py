@@ -25,6 +25,7 @@ from typing import Any
 import optuna
 import torch
 
+from tileops import dispatch
 from tileops.db import DatabaseError, TuningDB, default_user_db
 from tileops.db.storage import canonical
 from tileops.ops import SPECS, get_spec
@@ -78,6 +79,9 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                    help="re-time the K fastest configurations before recording (default 4)")
     p.add_argument("--no-warm-start", action="store_true",
                    help="do not enqueue the default and the nearest tuned problems' winners")
+    p.add_argument("--lower", action="store_true",
+                   help="with --dry-run: generate each configuration's code for the target (no "
+                        "hardware needed) and mark the ones that fail")
     p.add_argument("--dry-run", action="store_true",
                    help="list the configurations that pass the constraint checks; compile nothing")
     p.add_argument("--quiet", action="store_true", help="no progress lines or summary")
@@ -96,7 +100,7 @@ def tune(args: argparse.Namespace) -> int:
         warm_start=not args.no_warm_start, quiet=args.quiet,
         **({"jobs": args.jobs} if args.jobs else {}))
     if args.dry_run:
-        print(dry_run(plan))
+        print(dry_run(plan, lower=args.lower))
         return 0
     _check_writable(db)
     log.info("tuning %d %s problem(s) on %s with %d worker(s); records go to %s, studies to %s",
@@ -118,8 +122,9 @@ def tune(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def dry_run(plan: sweep.Plan) -> str:
-    """The configurations each problem's search may compile (those passing `check_config`)."""
+def dry_run(plan: sweep.Plan, lower: bool = False) -> str:
+    """The configurations each problem's search may compile (those passing `check_config`), each
+    lowered for the target when `lower` is set."""
     assert plan.space is not None
     lines = []
     for problem in plan.problems:
@@ -132,8 +137,16 @@ def dry_run(plan: sweep.Plan) -> str:
         if plan.warm_start and plan.sampler != "grid":
             for config, source in sweep.warm_start_configs(plan, problem):
                 lines.append(f"  warm start ({source}): {canonical(config)}")
-        lines += [f"  {canonical(c)}" for c in valid]
+        lines += [f"  {canonical(c)}{_lowering(plan, problem, c) if lower else ''}" for c in valid]
     return "\n".join(lines)
+
+
+def _lowering(plan: sweep.Plan, problem: tuple, config: dict[str, Any]) -> str:
+    try:
+        dispatch.lower(plan.spec.build(problem, config, plan.target), plan.target)
+    except Exception as e:  # noqa: BLE001 - any failure to generate code is the answer
+        return f"  FAILS TO LOWER: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    return "  lowers"
 
 
 def results_table(results: list[sweep.Result]) -> str:
