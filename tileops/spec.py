@@ -156,7 +156,8 @@ class OpSpec(abc.ABC):
         """Run the baseline (the vendor library path) on the same arguments."""
 
     def kernel_hash(self) -> str:
-        """Hash of the kernel builders' source: records made for other kernels are stale."""
+        """Hash of the kernel builders' source and of the shared helpers they call: records made
+        for other kernels are stale."""
         return _module_hash(type(self).kernel_module)
 
     kernel_module: ClassVar[str]  # dotted module holding the tile programs
@@ -194,5 +195,10 @@ def _spaces(op: str) -> dict[str, dict[str, Any]]:
 
 @functools.cache
 def _module_hash(module: str) -> str:
-    source = inspect.getsource(importlib.import_module(module))
+    source = "".join(inspect.getsource(importlib.import_module(m))
+                     for m in (module, *_SHARED_KERNEL_MODULES))
     return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+# Helpers every operator's tile programs may call; part of each kernel's hash.
+_SHARED_KERNEL_MODULES = ("tileops.ops.common", "tileops.ops.cpu_tiles")

@@ -6,10 +6,6 @@ convert with `to_f32` / `from_f32` (round to nearest even, NaN kept).
 """
 
 # No `from __future__ import annotations`: these helpers are called inside TileLang prim_funcs.
-import functools
-import hashlib
-import importlib
-import inspect
 from typing import Any
 
 import tilelang.language as T
@@ -77,12 +73,3 @@ class BitsAdapter:
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         self.kernel(*(t.view(torch.uint16) if t.dtype is torch.bfloat16 else t for t in tensors))
-
-
-@functools.cache
-def kernel_hash(module: str) -> str:
-    """Hash of a kernel module's source together with the shared helpers its kernels call (this
-    module and the CPU tile steps)."""
-    shared = (__name__, __name__.rsplit(".", 1)[0] + ".cpu_tiles")
-    source = "".join(inspect.getsource(importlib.import_module(m)) for m in (module, *shared))
-    return hashlib.sha256(source.encode()).hexdigest()[:16]

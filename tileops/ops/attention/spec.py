@@ -31,7 +31,7 @@ import torch
 
 from ...spec import Call, Config, OpSpec, pow2_bucket
 from ...target import Target
-from ..common import DTYPE_NAMES, DTYPE_SIZES, DTYPES, BitsAdapter, dtype_name, kernel_hash, smem_limit
+from ..common import DTYPE_NAMES, DTYPE_SIZES, DTYPES, BitsAdapter, dtype_name, smem_limit
 from . import kernels
 
 SUPPORTED = {"cuda": ("float16", "bfloat16"), "cpu": ("float32", "float16", "bfloat16")}
@@ -191,9 +191,6 @@ class AttentionSpec(OpSpec):
 
     def kernel_key(self, problem: AttentionProblem) -> tuple:
         return problem[3:]  # batch and both lengths are dynamic in the kernel
-
-    def kernel_hash(self) -> str:
-        return kernel_hash(self.kernel_module)
 
     def adapt(self, kernel: Any, target: Target) -> Any:
         return BitsAdapter(kernel) if target.kind == "cpu" else kernel

@@ -17,7 +17,7 @@ from ...spec import Call, Config, OpSpec, pow2_bucket
 from ...target import Target
 from ..common import DTYPE_NAMES as _NAMES
 from ..common import DTYPE_SIZES as _SIZES
-from ..common import DTYPES, BitsAdapter, kernel_hash, smem_limit
+from ..common import DTYPES, BitsAdapter, smem_limit
 from ..common import dtype_name as _name
 from . import kernels
 
@@ -157,9 +157,6 @@ class GemmSpec(OpSpec):
         if target.kind == "cpu":
             return kernels.cpu_program(N, K, dtype, out_dtype, trans_b, **config)
         return kernels.gpu_program(N, K, dtype, out_dtype, trans_b, **config)
-
-    def kernel_hash(self) -> str:
-        return kernel_hash(self.kernel_module)
 
     def adapt(self, kernel: Any, target: Target) -> Any:
         return BitsAdapter(kernel) if target.kind == "cpu" else kernel

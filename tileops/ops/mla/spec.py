@@ -26,7 +26,7 @@ import torch
 
 from ...spec import Call, Config, OpSpec, pow2_bucket
 from ...target import Target
-from ..common import DTYPE_SIZES, DTYPES, LOG2E, dtype_name, kernel_hash, smem_limit
+from ..common import DTYPE_SIZES, DTYPES, LOG2E, dtype_name, smem_limit
 from . import kernels
 from .kernels import D_LATENT, D_QK, PAGE
 
@@ -140,9 +140,6 @@ class MlaDecodeSpec(OpSpec):
         if target.kind == "cpu":
             return kernels.cpu_program(h_q, s_q, dtype, **config)
         return kernels.gpu_program(h_q, s_q, dtype, **config)
-
-    def kernel_hash(self) -> str:
-        return kernel_hash(self.kernel_module)  # the programs call helpers in ops/common.py
 
     def kernel_key(self, problem: MlaProblem) -> tuple:
         return (problem.h_q, problem.s_q, problem.dtype)  # batch and lengths are dynamic

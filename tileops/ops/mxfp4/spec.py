@@ -19,7 +19,7 @@ import torch
 
 from ...spec import Call, Config, OpSpec, pow2_bucket
 from ...target import Target
-from ..common import DTYPE_SIZES, DTYPES, BitsAdapter, dtype_name, kernel_hash, smem_limit
+from ..common import DTYPE_SIZES, DTYPES, BitsAdapter, dtype_name, smem_limit
 from . import kernels
 from .format import BLOCK, check_packed, dequantize_mxfp4, quantize_mxfp4
 
@@ -154,9 +154,6 @@ class Mxfp4GemmSpec(OpSpec):
         if target.kind == "cpu":
             return kernels.cpu_program(N, K, dtype, **config)
         return kernels.gpu_program(N, K, dtype, **config)
-
-    def kernel_hash(self) -> str:
-        return kernel_hash(self.kernel_module)
 
     def adapt(self, kernel: Any, target: Target) -> Any:
         return BitsAdapter(kernel) if target.kind == "cpu" else kernel
