@@ -23,6 +23,19 @@ def test_gemm_lowers_to_wgmma_on_sm90a(M, layout):
     assert "int m" in src  # M is a dynamic dimension of the kernel
 
 
+@pytest.mark.parametrize(("swap_ab", "split_k"), [(1, 1), (1, 4), (0, 4)])
+def test_gemm_decode_variants_lower(swap_ab, split_k):
+    problem = GEMM.Problem(16, 4096, 4096, "bfloat16", "nk", "bfloat16")
+    config = dict(GEMM.default_config(problem, H200), swap_ab=swap_ab, split_k=split_k,
+                  block_M=16 if swap_ab else 64)
+    assert GEMM.check_config(problem, config, H200) is None
+    src = lower(GEMM.build(problem, config, H200), H200).kernel_source
+    assert "wgmma" in src
+    # split-K: the tile kernel writes fp32 partials and a second kernel sums them
+    assert ("float* __restrict__ partials" in src) == (split_k > 1)
+    assert ("gemm_split_k_kernel_1" in src) == (split_k > 1)
+
+
 def test_gemm_odd_sizes_lower():
     problem = GEMM.Problem(8, 4097, 4095, "float16", "nk", "float16")
     src = lower(GEMM.build(problem, GEMM.default_config(problem, H200), H200), H200).kernel_source

@@ -45,6 +45,24 @@ def test_every_element_written_cuda(layout):
         assert rel_error(c, GEMM.reference((a, b))) < 1e-2
 
 
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+@pytest.mark.parametrize(("block_M", "swap_ab", "split_k"),
+                         [(16, 1, 1), (32, 1, 4), (64, 0, 2), (64, 1, 8)])
+def test_decode_variants_cuda(layout, block_M, swap_ab, split_k):
+    """Swapped tiles and split-K at odd M and N, every element written."""
+    target = target_of(torch.device("cuda"))
+    config = {"block_M": block_M, "block_N": 64, "block_K": 128, "num_stages": 4, "threads": 128,
+              "swizzle": 0, "swap_ab": swap_ab, "split_k": split_k}
+    for M, N, K in [(1, 333, 4096), (13, 4097, 2048), (block_M, 256, 1024 * split_k)]:
+        problem = GEMM.Problem(64, N, K, "bfloat16", layout, "bfloat16")
+        kernel = dispatch.compile_kernel(GEMM, problem, config, target)
+        a, b, _ = GEMM.make_inputs(problem, torch.device("cuda"), seed=M, sizes={"M": M})
+        c = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+        kernel(a, b.t() if layout == "nk" else b, c)
+        assert not torch.isnan(c).any()
+        assert rel_error(c, GEMM.reference((a, b))) < 1e-2
+
+
 def test_dynamic_m_does_not_recompile_cuda():
     w = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16)
     tileops.gemm(torch.randn(1000, 4096, device="cuda", dtype=torch.bfloat16), w.t())

@@ -31,9 +31,15 @@ def test_prefill_tiles_use_wgmma(dequant):
         assert str(0x3F000000) in src  # the E2M1 subnormal 0.5, assembled from bits
 
 
-def test_decode_tiles_use_mma():
-    src = source(16, 4096, 4096)  # block_M = 16: below a wgmma tile, on mma.sync
-    assert "mma" in src and "wgmma" not in src
+def test_decode_tiles_swap_onto_wgmma_and_split_k():
+    src = source(16, 4096, 4096)  # the default: weight rows on the wgmma M side, split-K
+    assert "wgmma" in src
+    assert "float* __restrict__ partials" in src and "mxfp4_gemm_split_k_kernel_1" in src
+
+
+def test_unswapped_decode_tiles_use_mma():
+    src = source(16, 4096, 4096, swap_ab=0, split_k=1)  # block_M = 16 rows: mma.sync
+    assert "mma" in src and "wgmma" not in src and "partials" not in src
 
 
 def test_odd_n_lowers():

@@ -45,14 +45,16 @@ def test_quantize_on_cuda_matches_cpu():
 
 
 @pytest.mark.parametrize("dequant", ["bits", "lut"])
-@pytest.mark.parametrize(("M", "block_M"), [(1, 16), (13, 32), (129, 64)])
-def test_every_element_written_cuda(M, block_M, dequant):
+@pytest.mark.parametrize(("M", "block_M", "swap_ab"), [(1, 16, 1), (13, 32, 1), (13, 16, 0),
+                                                      (129, 64, 0)])
+def test_every_element_written_cuda(M, block_M, swap_ab, dequant):
+    """Decode tiles (swapped, split-K from the default) and prefill tiles, at odd M, N, K."""
     target = target_of(CUDA)
     N, K = 333, 4064  # K: 127 scale blocks, not a multiple of block_K
     problem = MXFP4_GEMM.Problem(MXFP4_GEMM.parse_problem(f"{M}x{N}x{K}", "bfloat16").M, N, K,
                                  "bfloat16")
     config = {**MXFP4_GEMM.default_config(problem, target), "block_M": block_M,
-              "dequant": dequant}
+              "dequant": dequant, "swap_ab": swap_ab}
     if block_M < 64:
         config["threads"] = 128
     kernel = dispatch.compile_kernel(MXFP4_GEMM, problem, config, target)

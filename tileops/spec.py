@@ -201,4 +201,4 @@ def _module_hash(module: str) -> str:
 
 
 # Helpers every operator's tile programs may call; part of each kernel's hash.
-_SHARED_KERNEL_MODULES = ("tileops.ops.common", "tileops.ops.cpu_tiles")
+_SHARED_KERNEL_MODULES = ("tileops.ops.common", "tileops.ops.cpu_tiles", "tileops.ops.gpu_tiles")

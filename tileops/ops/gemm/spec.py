@@ -17,7 +17,7 @@ from ...spec import Call, Config, OpSpec, pow2_bucket
 from ...target import Target
 from ..common import DTYPE_NAMES as _NAMES
 from ..common import DTYPE_SIZES as _SIZES
-from ..common import DTYPES, BitsAdapter, smem_limit
+from ..common import DTYPES, BitsAdapter, check_decode_knobs, decode_split_k, gpu_adapter, smem_limit
 from ..common import dtype_name as _name
 from . import kernels
 
@@ -112,7 +112,7 @@ class GemmSpec(OpSpec):
 
     # ---- configuration --------------------------------------------------------------------------
     def default_config(self, problem: GemmProblem, target: Target) -> Config:
-        M, N = problem.M, problem.N
+        M, N, K = problem.M, problem.N, problem.K
         if target.kind == "cpu":
             return {"block_M": min(M, 32) if M <= 32 else 32, "block_N": 32, "block_K": 64}
         if target.kind == "hip":  # 4 wavefronts, 32 KiB of LDS for two stages
@@ -122,15 +122,15 @@ class GemmSpec(OpSpec):
             return {"block_M": 64, "block_N": 64, "block_K": 32, "num_stages": 0,
                     "threads": 128, "swizzle": 0}
         units = target.units or 132
-        if M <= 64:  # decode: bound by reading B; spread it over as many CTAs as possible
-            block_N = 64 if units <= -(-N // 64) else 32
-            return {"block_M": 64, "block_N": block_N, "block_K": 128, "num_stages": 4,
-                    "threads": 128, "swizzle": 0}
+        if M <= 64:  # decode: bound by reading B; the weight fills the wgmma M side (swap_ab)
+            return {"block_M": max(M, 16), "block_N": 64, "block_K": 128, "num_stages": 4,
+                    "threads": 128, "swizzle": 0, "swap_ab": 1,
+                    "split_k": decode_split_k(N, K, 64, 128, units)}
         if M <= 256:
             return {"block_M": 64, "block_N": 128, "block_K": 64, "num_stages": 4,
-                    "threads": 128, "swizzle": 0}
+                    "threads": 128, "swizzle": 0, "split_k": 1, "swap_ab": 0}
         return {"block_M": 128, "block_N": 256, "block_K": 64, "num_stages": 3, "threads": 256,
-                "swizzle": 8}
+                "swizzle": 8, "split_k": 1, "swap_ab": 0}
 
     def check_config(self, problem: GemmProblem, config: Config, target: Target) -> str | None:
         if target.kind == "cpu":
@@ -144,8 +144,12 @@ class GemmSpec(OpSpec):
             return f"shared memory {smem // 1024} KiB > {limit // 1024} KiB"
         if bm * bn // threads > 128:
             return f"{bm * bn // threads} accumulators per thread (> 128 registers)"
-        if target.arch.startswith("sm_90") and bm % (64 * (threads // 128)) != 0:
+        if (target.arch.startswith("sm_90") and not config.get("swap_ab")
+                and bm % (64 * (threads // 128))):
             return f"wgmma needs block_M a multiple of 64 per warpgroup ({threads // 128})"
+        reason = check_decode_knobs(problem.M, problem.K, config, target.arch, min_block_M=64)
+        if reason:
+            return reason
         if bm * bk * esize < threads * 16 // 2:
             return "A tile too small for the thread block"
         return None
@@ -159,7 +163,7 @@ class GemmSpec(OpSpec):
         return kernels.gpu_program(N, K, dtype, out_dtype, trans_b, **config)
 
     def adapt(self, kernel: Any, target: Target) -> Any:
-        return BitsAdapter(kernel) if target.kind == "cpu" else kernel
+        return BitsAdapter(kernel) if target.kind == "cpu" else gpu_adapter(kernel)
 
     def launch(self, kernel, args: tuple, out: torch.Tensor | None = None) -> torch.Tensor:
         a, b, trans_b, out_dtype = args

@@ -17,6 +17,7 @@ Either value is multiplied by the block's scale, whose fp32 bits are built from 
 import tilelang.cpu.language as TC
 import tilelang.language as T
 
+from .. import gpu_tiles
 from ..common import ACCUM, bits
 from ..cpu_tiles import accumulate, stage, store, zero
 from .format import BLOCK, E2M1_VALUES
@@ -56,39 +57,59 @@ def _scale(e8m0):
 
 
 def gpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block_K: int,
-                num_stages: int, threads: int, dequant: str):
+                num_stages: int, threads: int, dequant: str, split_k: int = 1,
+                swap_ab: int = 0):
     """The GPU tile program: per K step, stage A and the packed W and S tiles in shared memory,
     decode W into a dtype tile in shared memory, and multiply on the matrix units (wgmma on
-    sm_90a, mma on older CUDA)."""
+    sm_90a, mma on older CUDA). `swap_ab` and `split_k` are the decode knobs of `gpu_tiles`;
+    with `split_k` > 1 the program takes its fp32 workspace (split_k, M, N) last."""
     M = T.dynamic("m")
     lut = dequant == "lut"
+    k_steps = -(-K // block_K) // split_k  # check_config: split_k divides the K steps
+    partial = split_k > 1
 
-    @T.prim_func
-    def mxfp4_gemm(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K // 2), "uint8"),
-                   S: T.Tensor((N, K // BLOCK), "uint8"), C: T.Tensor((M, N), dtype)):
-        with T.Kernel(T.ceildiv(N, block_N), T.ceildiv(M, block_M), threads=threads) as (bx, by):
+    @T.macro
+    def tiles(A, W, S, C, partials):
+        with T.Kernel(T.ceildiv(N, block_N), T.ceildiv(M, block_M), split_k,
+                      threads=threads) as (bx, by, bz):
             A_s = T.alloc_shared((block_M, block_K), dtype)
             W_s = T.alloc_shared((block_N, block_K // 2), "uint8")
             S_s = T.alloc_shared((block_N, block_K // BLOCK), "uint8")
             B_s = T.alloc_shared((block_N, block_K), dtype)
             table = T.alloc_shared((16,), ACCUM)
-            C_f = T.alloc_fragment((block_M, block_N), ACCUM)
+            C_f = gpu_tiles.accumulator(block_M, block_N, swap_ab)
             if lut:
                 for c in T.Parallel(16):
                     table[c] = _code_value_select(T.cast(c, "uint32"))
             T.clear(C_f)
-            for ko in T.Pipelined(T.ceildiv(K, block_K), num_stages=num_stages):
+            for k in T.Pipelined(k_steps, num_stages=num_stages):
+                ko = bz * k_steps + k
                 T.copy(A[by * block_M, ko * block_K], A_s)
                 T.copy(W[bx * block_N, ko * (block_K // 2)], W_s)
                 T.copy(S[bx * block_N, ko * (block_K // BLOCK)], S_s)
-                for n, k in T.Parallel(block_N, block_K):
-                    code = _nibble(W_s[n, k // 2], k)
+                for n, kk in T.Parallel(block_N, block_K):
+                    code = _nibble(W_s[n, kk // 2], kk)
                     value = table[code] if lut else _code_value_bits(code)
-                    B_s[n, k] = T.cast(value * _scale(S_s[n, k // BLOCK]), dtype)
-                T.gemm(A_s, B_s, C_f, transpose_B=True)
-            T.copy(C_f, C[by * block_M, bx * block_N])
+                    B_s[n, kk] = T.cast(value * _scale(S_s[n, kk // BLOCK]), dtype)
+                gpu_tiles.mma(A_s, B_s, C_f, swap_ab, True, None)
+            gpu_tiles.store(C_f, C, partials, by * block_M, bx * block_N, bz, swap_ab, partial)
 
-    return mxfp4_gemm
+    if not partial:
+        @T.prim_func
+        def mxfp4_gemm(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K // 2), "uint8"),
+                       S: T.Tensor((N, K // BLOCK), "uint8"), C: T.Tensor((M, N), dtype)):
+            tiles(A, W, S, C, C)
+
+        return mxfp4_gemm
+
+    @T.prim_func
+    def mxfp4_gemm_split_k(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K // 2), "uint8"),
+                           S: T.Tensor((N, K // BLOCK), "uint8"), C: T.Tensor((M, N), dtype),
+                           partials: T.Tensor((split_k, M, N), ACCUM)):
+        tiles(A, W, S, C, partials)
+        gpu_tiles.sum_partials(partials, C, M, N, split_k)
+
+    return mxfp4_gemm_split_k
 
 
 def cpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block_K: int,

@@ -19,7 +19,16 @@ import torch
 
 from ...spec import Call, Config, OpSpec, pow2_bucket
 from ...target import Target
-from ..common import DTYPE_SIZES, DTYPES, BitsAdapter, dtype_name, smem_limit
+from ..common import (
+    DTYPE_SIZES,
+    DTYPES,
+    BitsAdapter,
+    check_decode_knobs,
+    decode_split_k,
+    dtype_name,
+    gpu_adapter,
+    smem_limit,
+)
 from . import kernels
 from .format import BLOCK, check_packed, dequantize_mxfp4, quantize_mxfp4
 
@@ -110,21 +119,20 @@ class Mxfp4GemmSpec(OpSpec):
 
     # ---- configuration --------------------------------------------------------------------------
     def default_config(self, problem: Mxfp4Problem, target: Target) -> Config:
-        M, N = problem.M, problem.N
+        M, N, K = problem.M, problem.N, problem.K
         if target.kind == "cpu":
             return {"block_M": min(M, 32), "block_N": 32, "block_K": 64, "dequant": "bits"}
         units = target.units or 132
-        if M <= 16:  # decode: bound by reading W; narrow N tiles to occupy every unit
-            return {"block_M": 16, "block_N": 64 if units <= -(-N // 64) else 32,
-                    "block_K": 256, "num_stages": 3, "threads": 128, "dequant": "bits"}
-        if M <= 64:
-            return {"block_M": 64, "block_N": 64, "block_K": 128, "num_stages": 3,
-                    "threads": 128, "dequant": "bits"}
+        plain = {"split_k": 1, "swap_ab": 0}
+        if M <= 64:  # decode: bound by reading W; the weight fills the wgmma M side (swap_ab)
+            return {"block_M": max(M, 16), "block_N": 64, "block_K": 256, "num_stages": 3,
+                    "threads": 128, "dequant": "bits", "swap_ab": 1,
+                    "split_k": decode_split_k(N, K, 64, 256, units)}
         if M <= 256:
             return {"block_M": 64, "block_N": 128, "block_K": 128, "num_stages": 3,
-                    "threads": 128, "dequant": "bits"}
+                    "threads": 128, "dequant": "bits", **plain}
         return {"block_M": 128, "block_N": 256, "block_K": 64, "num_stages": 3, "threads": 256,
-                "dequant": "bits"}
+                "dequant": "bits", **plain}
 
     def check_config(self, problem: Mxfp4Problem, config: Config, target: Target) -> str | None:
         bk = config["block_K"]
@@ -142,11 +150,12 @@ class Mxfp4GemmSpec(OpSpec):
             return f"shared memory {smem // 1024} KiB > {limit // 1024} KiB"
         if bm * bn // threads > 128:
             return f"{bm * bn // threads} accumulators per thread (> 128 registers)"
-        if target.arch.startswith("sm_90") and bm >= 64 and bm % (64 * (threads // 128)):
-            return f"wgmma needs block_M a multiple of 64 per warpgroup ({threads // 128})"
-        if target.kind == "cuda" and bm < 64 and threads != 128:
-            return f"block_M {bm} (mma tiles) takes 128 threads"
-        return None
+        if not config.get("swap_ab"):
+            if target.arch.startswith("sm_90") and bm >= 64 and bm % (64 * (threads // 128)):
+                return f"wgmma needs block_M a multiple of 64 per warpgroup ({threads // 128})"
+            if target.kind == "cuda" and bm < 64 and threads != 128:
+                return f"block_M {bm} (mma tiles) takes 128 threads"
+        return check_decode_knobs(problem.M, problem.K, config, target.arch, min_block_M=16)
 
     # ---- kernels --------------------------------------------------------------------------------
     def build(self, problem: Mxfp4Problem, config: Config, target: Target) -> Any:
@@ -156,7 +165,7 @@ class Mxfp4GemmSpec(OpSpec):
         return kernels.gpu_program(N, K, dtype, **config)
 
     def adapt(self, kernel: Any, target: Target) -> Any:
-        return BitsAdapter(kernel) if target.kind == "cpu" else kernel
+        return BitsAdapter(kernel) if target.kind == "cpu" else gpu_adapter(kernel)
 
     def launch(self, kernel, args: tuple, out: torch.Tensor | None = None) -> torch.Tensor:
         a, w = args

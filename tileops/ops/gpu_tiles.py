@@ -1,0 +1,73 @@
+"""Tile steps shared by the GPU forms of the matmul-shaped programs (GEMM, MXFP4 GEMM).
+
+Both knobs below serve decode shapes, where M is a handful of tokens and the time is spent
+reading the weight:
+- `swap_ab` multiplies the tile as (B_tile @ A_tile^T)^T, so that the weight's rows fill the
+  tensor-core instruction's M side (64 per warpgroup on wgmma) and the few tokens its N side
+  (8 to 256) instead of padding 16 tokens to 64 rows. The accumulator then holds the tile
+  transposed, (block_N, block_M).
+- `split_k` > 1 gives each of `split_k` CTAs per output tile a contiguous slice of the K steps,
+  so that enough CTAs stream the weight at once. They write fp32 partials to a workspace
+  (split_k, M, N), the program's last parameter `partials`, and `sum_partials` adds them into C
+  in a second kernel (`common.SplitKAdapter` allocates the workspace at each call).
+"""
+
+# No `from __future__ import annotations`: TileLang evaluates the macro annotations.
+import tilelang.language as T
+
+from .common import ACCUM
+
+REDUCE_N = 256  # output columns per CTA of the split-K sum
+
+
+def accumulator(block_M: int, block_N: int, swap_ab: int):
+    """The fp32 accumulator fragment of a (block_M, block_N) output tile."""
+    return T.alloc_fragment((block_N, block_M) if swap_ab else (block_M, block_N), ACCUM)
+
+
+@T.macro
+def mma(A_s, B_s, C_f, swap_ab, trans_b, annotations):
+    """C_f += A_s @ B_s (B_s is (block_N, block_K) when `trans_b`), swapped when `swap_ab`."""
+    if swap_ab:
+        T.gemm(B_s, A_s, C_f, transpose_A=not trans_b, transpose_B=True,
+               annotations=annotations)
+    else:
+        T.gemm(A_s, B_s, C_f, transpose_B=trans_b, annotations=annotations)
+
+
+@T.macro
+def store(C_f, C, partials, m0, n0, split, swap_ab, partial):
+    """Write the accumulator of the output tile at (m0, n0): into C, or into the split's slice of
+    the workspace when `partial` (split-K). Rows past M and columns past N are dropped.
+
+    A swapped accumulator is transposed through shared memory: written straight from the
+    fragment, each thread's elements would land a row of C apart, one 32-byte sector per element.
+    """
+    if swap_ab:
+        C_s = T.alloc_shared((C_f.shape[1], C_f.shape[0]), ACCUM if partial else C.dtype)
+        for j, i in T.Parallel(C_f.shape[0], C_f.shape[1]):
+            C_s[i, j] = C_f[j, i]
+        if partial:
+            T.copy(C_s, partials[split, m0, n0])
+        else:
+            T.copy(C_s, C[m0, n0])
+    elif partial:
+        T.copy(C_f, partials[split, m0, n0])
+    else:
+        T.copy(C_f, C[m0, n0])
+
+
+@T.macro
+def sum_partials(partials, C, m, n, split_k):
+    """The split-K second kernel: C = the sum over splits of partials (split_k, m, n).
+    (Lower-case sizes: a macro's parameter names become the kernel's.)"""
+    with T.Kernel(T.ceildiv(n, REDUCE_N), m, threads=128) as (bx, by):
+        acc = T.alloc_fragment((REDUCE_N,), ACCUM)
+        T.clear(acc)
+        for s in T.serial(split_k):
+            for j in T.Parallel(REDUCE_N):
+                col = bx * REDUCE_N + j
+                acc[j] += T.if_then_else(col < n, partials[s, by, T.min(col, n - 1)], 0)
+        for j in T.Parallel(REDUCE_N):
+            if bx * REDUCE_N + j < n:
+                C[by, bx * REDUCE_N + j] = acc[j]
