@@ -1,19 +1,22 @@
 """Benchmark any operator over a suite: tileops as a user calls it against the spec's baseline.
 
     python benchmarks/harness.py --suite gemm_llama [--dtype bfloat16] [--limit N] [--device auto]
+                                 [--jobs N]
 
 For each problem, in one process on the same inputs and with the tuner's timer (CUDA events after
 warm-up, L2 flushed before each launch, median): the public call through dispatch (`tileops_us`),
 the baseline (`baseline_us`), and the best tile kernel on its own (`tile_us`, the configuration
 dispatch resolved, launched directly). Writes `results/<device>/<op>.json` in the results format of
 the project's guide, which `benchmarks/report.py` renders; resumable (`--resume` keeps the cases
-already in the file).
+already in the file). The kernels dispatch will choose are first compiled in parallel (`--jobs`
+processes, into TileLang's disk cache), so a long suite is not compiled one kernel at a time.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -26,7 +29,8 @@ from tileops.dispatch import DISPATCHER, compile_kernel
 from tileops.spec import OpSpec
 from tileops.target import Target, resolve_device
 from tuner import suites
-from tuner.evaluate import relative_error
+from tuner.evaluate import Job, relative_error
+from tuner.session import Session
 from tuner.timing import Timer
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -75,6 +79,23 @@ def run_case(spec: OpSpec, problem: tuple, target: Target, device: torch.device,
     }
 
 
+def precompile(spec: OpSpec, problems: list[tuple], target: Target, device: torch.device,
+               jobs: int) -> None:
+    """Compile the tile kernel dispatch resolves for each problem, `jobs` at a time."""
+    todo = []
+    for problem in problems:
+        choice = DISPATCHER.choice(spec, target, problem)
+        if choice.config is not None:
+            todo.append(Job(spec, problem, target, str(device), choice.config))
+    if jobs < 1 or not todo:
+        return
+    print(f"compiling {len(todo)} kernels on {jobs} processes", flush=True)
+    with Session(str(device), jobs, trial_timeout=600) as session:
+        for job, outcome in zip(todo, session.compile(todo), strict=True):
+            if outcome.error is not None:
+                print(f"  {spec.problem_label(job.problem)}: {outcome.error}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--suite", required=True)
@@ -83,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, help="first N problems only")
     ap.add_argument("--out", type=Path, help="default results/<device>/<op>.json")
     ap.add_argument("--resume", action="store_true", help="keep cases already in --out")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                    help="processes compiling the kernels first (default: all cores; 0: none)")
     args = ap.parse_args(argv)
 
     suite = suites.load(args.suite, args.dtype.split(",") if args.dtype else None)
@@ -96,12 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     done = {json.dumps([c["problem"], c["dtype"]], sort_keys=True) for c in report["cases"]}
     timer = Timer(device)
     out.parent.mkdir(parents=True, exist_ok=True)
+    todo = []
     for problem in suite.problems[: args.limit]:
         fields = spec.problem_dict(problem)
         key = json.dumps([{k: v for k, v in fields.items() if k != "dtype"}, fields.get("dtype")],
                          sort_keys=True)
-        if key in done:
-            continue
+        if key not in done:
+            todo.append(problem)
+    precompile(spec, todo, target, device, args.jobs)
+    for problem in todo:
         case = run_case(spec, problem, target, device, timer)
         report["cases"].append(case)
         out.write_text(json.dumps(report, indent=1))  # after every case: a stop loses nothing
