@@ -9,7 +9,10 @@ reading the weight:
 - `split_k` > 1 gives each of `split_k` CTAs per output tile a contiguous slice of the K steps,
   so that enough CTAs stream the weight at once. They write fp32 partials to a workspace
   (split_k, M, N), the program's last parameter `partials`, and `sum_partials` adds them into C
-  in a second kernel (`common.SplitKAdapter` allocates the workspace at each call).
+  in a second kernel (`common.gpu_adapter` allocates the workspace at each call).
+
+`matmul` is the whole tile loop of C = A @ B with these knobs; the GEMM is that loop, the MXFP4
+GEMM's "global" strategy runs it on the weight it dequantised first.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the macro annotations.
@@ -18,6 +21,44 @@ import tilelang.language as T
 from .common import ACCUM
 
 REDUCE_N = 256  # output columns per CTA of the split-K sum
+
+
+def matmul(M, N: int, K: int, dtype: str, trans_b: bool, *, block_M: int, block_N: int,
+           block_K: int, num_stages: int, threads: int, swizzle: int, split_k: int = 1,
+           swap_ab: int = 0, k_pack: int = 1):
+    """The T.macro (A, B, C, partials): C (or, with split_k > 1, the workspace `partials`) =
+    A (M, K) @ B, with B (N, K) when `trans_b` else (K, N); M is the program's dynamic size.
+
+    One CTA per (block_M, block_N) output tile and K slice; A and B tiles are pipelined into
+    shared memory over `num_stages` buffers (TMA and a producer warpgroup on sm_90a).
+    `k_pack` packs K for AMD's MFMA (ignored elsewhere).
+    """
+    annotations = {"k_pack": k_pack} if k_pack != 1 else None
+    b_tile = (block_N, block_K) if trans_b else (block_K, block_N)
+    k_steps = -(-K // block_K) // split_k  # check_config: split_k divides the K steps
+    partial = split_k > 1
+
+    @T.macro
+    def tiles(A, B, C, partials):
+        with T.Kernel(T.ceildiv(N, block_N), T.ceildiv(M, block_M), split_k,
+                      threads=threads) as (bx, by, bz):
+            A_s = T.alloc_shared((block_M, block_K), dtype)
+            B_s = T.alloc_shared(b_tile, dtype)
+            C_f = accumulator(block_M, block_N, swap_ab)
+            if swizzle:
+                T.use_swizzle(panel_size=swizzle)
+            T.clear(C_f)
+            for k in T.Pipelined(k_steps, num_stages=num_stages):
+                ko = bz * k_steps + k
+                T.copy(A[by * block_M, ko * block_K], A_s)
+                if trans_b:
+                    T.copy(B[bx * block_N, ko * block_K], B_s)
+                else:
+                    T.copy(B[ko * block_K, bx * block_N], B_s)
+                mma(A_s, B_s, C_f, swap_ab, trans_b, annotations)
+            store(C_f, C, partials, by * block_M, bx * block_N, bz, swap_ab, partial)
+
+    return tiles
 
 
 def accumulator(block_M: int, block_N: int, swap_ab: int):

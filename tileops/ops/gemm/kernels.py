@@ -16,43 +16,16 @@ from ..common import ACCUM, bits
 from ..cpu_tiles import accumulate, stage, store, zero
 
 
-def gpu_program(N: int, K: int, dtype: str, out_dtype: str, trans_b: bool, *, block_M: int,
-                block_N: int, block_K: int, num_stages: int, threads: int, swizzle: int,
-                split_k: int = 1, swap_ab: int = 0, k_pack: int = 1):
-    """The GPU tile program (wgmma on sm_90a, mma on older CUDA, MFMA/WMMA on HIP).
-
-    `swap_ab` and `split_k` are the decode knobs of `gpu_tiles`; with `split_k` > 1 the program
-    takes a fourth argument, its fp32 workspace (split_k, M, N). `k_pack` packs K for AMD's MFMA
-    (ignored elsewhere; only the hip space varies it).
-    """
-    annotations = {"k_pack": k_pack} if k_pack != 1 else None
+def gpu_program(N: int, K: int, dtype: str, out_dtype: str, trans_b: bool, *, split_k: int = 1,
+                **config):
+    """The GPU tile program (wgmma on sm_90a, mma on older CUDA, MFMA/WMMA on HIP): the tile loop
+    of `gpu_tiles.matmul`. With `split_k` > 1 the program takes a fourth argument, its fp32
+    workspace (split_k, M, N), and sums it in a second kernel."""
     M = T.dynamic("m")
     b_shape = (N, K) if trans_b else (K, N)
-    b_tile = (block_N, block_K) if trans_b else (block_K, block_N)
-    k_steps = -(-K // block_K) // split_k  # check_config: split_k divides the K steps
-    partial = split_k > 1
+    tiles = gpu_tiles.matmul(M, N, K, dtype, trans_b, split_k=split_k, **config)
 
-    @T.macro
-    def tiles(A, B, C, partials):
-        with T.Kernel(T.ceildiv(N, block_N), T.ceildiv(M, block_M), split_k,
-                      threads=threads) as (bx, by, bz):
-            A_s = T.alloc_shared((block_M, block_K), dtype)
-            B_s = T.alloc_shared(b_tile, dtype)
-            C_f = gpu_tiles.accumulator(block_M, block_N, swap_ab)
-            if swizzle:
-                T.use_swizzle(panel_size=swizzle)
-            T.clear(C_f)
-            for k in T.Pipelined(k_steps, num_stages=num_stages):
-                ko = bz * k_steps + k
-                T.copy(A[by * block_M, ko * block_K], A_s)
-                if trans_b:
-                    T.copy(B[bx * block_N, ko * block_K], B_s)
-                else:
-                    T.copy(B[ko * block_K, bx * block_N], B_s)
-                gpu_tiles.mma(A_s, B_s, C_f, swap_ab, trans_b, annotations)
-            gpu_tiles.store(C_f, C, partials, by * block_M, bx * block_N, bz, swap_ab, partial)
-
-    if not partial:
+    if split_k == 1:
         @T.prim_func
         def gemm(A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype),
                  C: T.Tensor((M, N), out_dtype)):
