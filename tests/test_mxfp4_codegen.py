@@ -42,6 +42,13 @@ def test_unswapped_decode_tiles_use_mma():
     assert "mma" in src and "wgmma" not in src and "partials" not in src
 
 
+def test_large_m_dequantises_globally_then_runs_the_gemm_loop():
+    src = source(4096, 4096, 4096)  # the default at large M: "global"
+    assert "wgmma" in src
+    # the decode kernel writes the bf16 workspace that the GEMM kernel reads with TMA
+    assert "bfloat16_t* __restrict__ dequantized" in src and "dequantized_desc" in src
+
+
 def test_odd_n_lowers():
     src = source(8, 4097, 4096, dequant="lut")
     assert "4097" in src

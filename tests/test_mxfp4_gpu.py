@@ -44,7 +44,7 @@ def test_quantize_on_cuda_matches_cpu():
                        tileops.dequantize_mxfp4(*cpu))
 
 
-@pytest.mark.parametrize("dequant", ["bits", "lut"])
+@pytest.mark.parametrize("dequant", ["bits", "lut", "global"])
 @pytest.mark.parametrize(("M", "block_M", "swap_ab"), [(1, 16, 1), (13, 32, 1), (13, 16, 0),
                                                       (129, 64, 0)])
 def test_every_element_written_cuda(M, block_M, swap_ab, dequant):
@@ -55,6 +55,8 @@ def test_every_element_written_cuda(M, block_M, swap_ab, dequant):
                                  "bfloat16")
     config = {**MXFP4_GEMM.default_config(problem, target), "block_M": block_M,
               "dequant": dequant, "swap_ab": swap_ab}
+    if dequant == "global":
+        config["split_k"] = 1
     if block_M < 64:
         config["threads"] = 128
     kernel = dispatch.compile_kernel(MXFP4_GEMM, problem, config, target)

@@ -76,7 +76,7 @@ class BitsAdapter:
 
 
 def check_decode_knobs(M: int, K: int, config: dict, arch: str, min_block_M: int) -> str | None:
-    """Why a configuration's `swap_ab` / `split_k` (see `gpu_tiles`) cannot run, or None.
+    """Why a CUDA configuration's `swap_ab` / `split_k` (see `gpu_tiles`) cannot run, or None.
 
     `min_block_M` is the smallest useful unswapped token tile (64 where only wgmma serves it);
     a token tile larger than the problem's M bucket needs is pruned, as it only adds padding.
@@ -108,18 +108,23 @@ def decode_split_k(N: int, K: int, block_N: int, block_K: int, units: int) -> in
     return split
 
 
-class SplitKAdapter:
-    """Calls a split-K program (see `gpu_tiles`) with a fresh fp32 workspace (split_k, M, N) as
-    its last argument: M from the first argument, N from the output, the argument before it."""
+# Program parameters that are scratch space, allocated by `WorkspaceAdapter` at each call.
+WORKSPACES = ("partials", "dequantized")
 
-    def __init__(self, kernel: Any, split: int):
-        self.kernel, self.split = kernel, split
+
+class WorkspaceAdapter:
+    """Calls a program whose trailing parameters are workspaces (`WORKSPACES`), allocating them
+    (uninitialised) at each call. A workspace dimension that is not a constant is M, the dynamic
+    size of these programs: the rows of the first argument."""
+
+    def __init__(self, kernel: Any, shapes: list[tuple[tuple[int | None, ...], torch.dtype]]):
+        self.kernel, self.shapes = kernel, shapes
 
     def __call__(self, *args: torch.Tensor) -> None:
-        a, c = args[0], args[-1]
-        partials = torch.empty((self.split, a.shape[0], c.shape[1]), dtype=torch.float32,
-                               device=a.device)
-        self.kernel(*args, partials)
+        a = args[0]
+        rows = a.shape[0]
+        self.kernel(*args, *(torch.empty([rows if d is None else d for d in shape], dtype=dtype,
+                                         device=a.device) for shape, dtype in self.shapes))
 
 
 def executable(kernel: Any) -> Any:
@@ -138,9 +143,15 @@ def executable(kernel: Any) -> Any:
 
 
 def gpu_adapter(kernel: Any) -> Any:
-    """A compiled GPU program as `launch` calls it: its executable, with the workspace a
-    split-K program takes."""
+    """A compiled GPU program as `launch` calls it: its executable, given the workspaces the
+    program declares (split-K partials, a dequantised weight)."""
     func = kernel.prim_func
-    last = func.buffer_map[func.params[-1]]
+    shapes = []
+    for param in func.params:
+        buf = func.buffer_map.get(param)
+        if buf is not None and buf.name in WORKSPACES:
+            # a constant (IntImm, with a `value`) or the dynamic M (a Var)
+            dims = tuple(int(d) if hasattr(d, "value") else None for d in buf.shape)
+            shapes.append((dims, DTYPES[str(buf.dtype)]))
     run = executable(kernel)
-    return SplitKAdapter(run, int(last.shape[0])) if last.name == "partials" else run
+    return WorkspaceAdapter(run, shapes) if shapes else run

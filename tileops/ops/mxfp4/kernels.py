@@ -1,15 +1,20 @@
 """MXFP4 weight GEMM tile programs: C[M, N] = A[M, K] @ dequantize(W, S)^T, fp32 accumulation.
 
 W is the packed (N, K/2) uint8 weight (element 2i in the low nibble), S its (N, K/32) E8M0
-scales (see format.py). The weight is decoded inside the kernel, one tile at a time, straight
-into the operand tile the matrix units read, so the weight crosses memory at 4.25 bits per
-element. M is dynamic; tiles past M, N or K are zero-filled by the copies (a zero code decodes to
-zero under any finite scale) or bounds-checked on the CPU.
+scales (see format.py). M is dynamic; tiles past M, N or K are zero-filled by the copies (a zero
+code decodes to zero under any finite scale) or bounds-checked on the CPU.
 
-Two decoders, a configuration knob (`dequant`):
-  "bits": the fp32 bit pattern of each E2M1 code is assembled with shifts and masks;
-  "lut":  a 16-entry fp32 table, filled once per thread block, is indexed by the code.
-Either value is multiplied by the block's scale, whose fp32 bits are built from the E8M0 byte.
+Where the weight is decoded is a configuration knob (`dequant`):
+  "bits": inside the GEMM, one tile at a time, straight into the shared-memory operand tile the
+          matrix units read, so the weight crosses memory at 4.25 bits per element; the fp32
+          bit pattern of each E2M1 code is assembled with shifts and masks;
+  "lut":  the same, with the code's value read from a 16-entry fp32 table in shared memory;
+  "global": a first kernel decodes the whole weight into a (N, K) workspace of the activation
+          dtype and the GEMM tile loop (`gpu_tiles.matmul`) reads that. At large M every weight
+          tile is used by M / block_M CTAs, so decoding it once beats decoding it in every CTA;
+          the price is 2 bytes per weight element written and read again.
+Each decoded value is multiplied by its block's scale, whose fp32 bits are built from the E8M0
+byte.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations, which
@@ -58,18 +63,34 @@ def _scale(e8m0):
 
 def gpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block_K: int,
                 num_stages: int, threads: int, dequant: str, split_k: int = 1,
-                swap_ab: int = 0):
-    """The GPU tile program: per K step, stage A and the packed W and S tiles in shared memory,
-    decode W into a dtype tile in shared memory, and multiply on the matrix units (wgmma on
-    sm_90a, mma on older CUDA). `swap_ab` and `split_k` are the decode knobs of `gpu_tiles`;
-    with `split_k` > 1 the program takes its fp32 workspace (split_k, M, N) last."""
+                swap_ab: int = 0, swizzle: int = 0):
+    """The GPU tile program: wgmma on sm_90a, mma on older CUDA (see the module docstring for
+    `dequant`). `swap_ab` and `split_k` are the decode knobs of `gpu_tiles`; with `split_k` > 1
+    the program takes its fp32 workspace (split_k, M, N) after C, and with "global" its
+    dequantised weight (N, K) last."""
     M = T.dynamic("m")
+    tile = {"block_M": block_M, "block_N": block_N, "block_K": block_K,
+            "num_stages": num_stages, "threads": threads, "swizzle": swizzle,
+            "split_k": split_k, "swap_ab": swap_ab}
+
+    if dequant == "global":  # check_config: with split_k 1
+        tiles = gpu_tiles.matmul(M, N, K, dtype, True, **tile)
+
+        @T.prim_func
+        def mxfp4_gemm_global(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K // 2), "uint8"),
+                              S: T.Tensor((N, K // BLOCK), "uint8"), C: T.Tensor((M, N), dtype),
+                              dequantized: T.Tensor((N, K), dtype)):
+            _dequantize(W, S, dequantized, N, K, dtype)
+            tiles(A, dequantized, C, C)
+
+        return mxfp4_gemm_global
+
     lut = dequant == "lut"
     k_steps = -(-K // block_K) // split_k  # check_config: split_k divides the K steps
     partial = split_k > 1
 
     @T.macro
-    def tiles(A, W, S, C, partials):
+    def tiles_fused(A, W, S, C, partials):
         with T.Kernel(T.ceildiv(N, block_N), T.ceildiv(M, block_M), split_k,
                       threads=threads) as (bx, by, bz):
             A_s = T.alloc_shared((block_M, block_K), dtype)
@@ -81,12 +102,17 @@ def gpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block
             if lut:
                 for c in T.Parallel(16):
                     table[c] = _code_value_select(T.cast(c, "uint32"))
+            if swizzle:
+                T.use_swizzle(panel_size=swizzle)
             T.clear(C_f)
             for k in T.Pipelined(k_steps, num_stages=num_stages):
                 ko = bz * k_steps + k
                 T.copy(A[by * block_M, ko * block_K], A_s)
                 T.copy(W[bx * block_N, ko * (block_K // 2)], W_s)
                 T.copy(S[bx * block_N, ko * (block_K // BLOCK)], S_s)
+                # Element by element: TileLang vectorises the pairs that share a byte (and nvcc
+                # their common loads and scale); a loop over bytes writing two elements gets a
+                # barrier per iteration instead.
                 for n, kk in T.Parallel(block_N, block_K):
                     code = _nibble(W_s[n, kk // 2], kk)
                     value = table[code] if lut else _code_value_bits(code)
@@ -98,7 +124,7 @@ def gpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block
         @T.prim_func
         def mxfp4_gemm(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K // 2), "uint8"),
                        S: T.Tensor((N, K // BLOCK), "uint8"), C: T.Tensor((M, N), dtype)):
-            tiles(A, W, S, C, C)
+            tiles_fused(A, W, S, C, C)
 
         return mxfp4_gemm
 
@@ -106,10 +132,29 @@ def gpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block
     def mxfp4_gemm_split_k(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K // 2), "uint8"),
                            S: T.Tensor((N, K // BLOCK), "uint8"), C: T.Tensor((M, N), dtype),
                            partials: T.Tensor((split_k, M, N), ACCUM)):
-        tiles(A, W, S, C, partials)
+        tiles_fused(A, W, S, C, partials)
         gpu_tiles.sum_partials(partials, C, M, N, split_k)
 
     return mxfp4_gemm_split_k
+
+
+DEQUANT_ROWS, DEQUANT_BYTES = 16, 256  # weight rows x packed bytes per CTA of `_dequantize`
+
+
+@T.macro
+def _dequantize(W, S, out, n_rows, k, dtype):
+    """out (n_rows, k) = the decoded weight, one byte (two elements) per thread and step."""
+    with T.Kernel(T.ceildiv(n_rows, DEQUANT_ROWS), T.ceildiv(k // 2, DEQUANT_BYTES),
+                  threads=256) as (bx, by):
+        for r, b in T.Parallel(DEQUANT_ROWS, DEQUANT_BYTES):
+            row, col = bx * DEQUANT_ROWS + r, by * DEQUANT_BYTES + b
+            if row < n_rows and col < k // 2:
+                byte = T.cast(W[row, col], "uint32")
+                scale = _scale(S[row, col * 2 // BLOCK])
+                out[row, 2 * col] = T.cast(
+                    _code_value_bits(T.bitwise_and(byte, T.uint32(15))) * scale, dtype)
+                out[row, 2 * col + 1] = T.cast(
+                    _code_value_bits(T.shift_right(byte, T.uint32(4))) * scale, dtype)
 
 
 def cpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block_K: int,

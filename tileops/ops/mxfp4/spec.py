@@ -122,17 +122,25 @@ class Mxfp4GemmSpec(OpSpec):
         M, N, K = problem.M, problem.N, problem.K
         if target.kind == "cpu":
             return {"block_M": min(M, 32), "block_N": 32, "block_K": 64, "dequant": "bits"}
+        if target.kind == "hip":  # four wavefronts, within 64 KiB of LDS for two stages
+            return {"block_M": 32 if M <= 32 else 64, "block_N": 128, "block_K": 64,
+                    "num_stages": 2, "threads": 256, "dequant": "bits"}
+        if target.kind == "metal":  # within 32 KiB of threadgroup memory
+            return {"block_M": 32, "block_N": 32, "block_K": 32, "num_stages": 0, "threads": 128,
+                    "dequant": "bits"}
         units = target.units or 132
         plain = {"split_k": 1, "swap_ab": 0}
         if M <= 64:  # decode: bound by reading W; the weight fills the wgmma M side (swap_ab)
-            return {"block_M": max(M, 16), "block_N": 64, "block_K": 256, "num_stages": 3,
-                    "threads": 128, "dequant": "bits", "swap_ab": 1,
-                    "split_k": decode_split_k(N, K, 64, 256, units)}
-        if M <= 256:
-            return {"block_M": 64, "block_N": 128, "block_K": 128, "num_stages": 3,
-                    "threads": 128, "dequant": "bits", **plain}
+            block_K = 256 if M <= 32 else 128  # three stages within sm_80's shared memory
+            return {"block_M": max(M, 16), "block_N": 64, "block_K": block_K, "num_stages": 3,
+                    "threads": 128, "dequant": "bits", "swizzle": 0, "swap_ab": 1,
+                    "split_k": decode_split_k(N, K, 64, block_K, units)}
+        if M <= 256:  # two stages: 113 KiB, within sm_80's shared memory too
+            return {"block_M": 64, "block_N": 128, "block_K": 128, "num_stages": 2,
+                    "threads": 128, "dequant": "bits", "swizzle": 0, **plain}
+        # Each weight tile feeds M / block_M CTAs: decode the weight once, then a bf16 GEMM.
         return {"block_M": 128, "block_N": 256, "block_K": 64, "num_stages": 3, "threads": 256,
-                "dequant": "bits", **plain}
+                "dequant": "global", "swizzle": 8, **plain}
 
     def check_config(self, problem: Mxfp4Problem, config: Config, target: Target) -> str | None:
         bk = config["block_K"]
@@ -143,8 +151,13 @@ class Mxfp4GemmSpec(OpSpec):
         bm, bn = config["block_M"], config["block_N"]
         threads, stages = config["threads"], config["num_stages"]
         esize = DTYPE_SIZES[problem.dtype]
-        per_stage = bm * bk * esize + bn * bk // 2 + bn * bk // BLOCK + bn * bk * esize
-        smem = max(stages, 1) * per_stage + 64
+        if config["dequant"] == "global":  # A and dequantised B tiles per stage
+            if config.get("split_k", 1) != 1:
+                return "the global dequantisation is for large M: split_k 1 only"
+            smem = max(stages, 1) * (bm + bn) * bk * esize
+        else:  # A, packed W, scales and the decoded B tile per stage
+            per_stage = bm * bk * esize + bn * bk // 2 + bn * bk // BLOCK + bn * bk * esize
+            smem = max(stages, 1) * per_stage + 64
         limit = smem_limit(target.arch)
         if smem > limit:
             return f"shared memory {smem // 1024} KiB > {limit // 1024} KiB"
@@ -155,6 +168,8 @@ class Mxfp4GemmSpec(OpSpec):
                 return f"wgmma needs block_M a multiple of 64 per warpgroup ({threads // 128})"
             if target.kind == "cuda" and bm < 64 and threads != 128:
                 return f"block_M {bm} (mma tiles) takes 128 threads"
+        if target.kind != "cuda":
+            return None
         return check_decode_knobs(problem.M, problem.K, config, target.arch, min_block_M=16)
 
     # ---- kernels --------------------------------------------------------------------------------
