@@ -157,8 +157,10 @@ class AttentionSpec(OpSpec):
         D = problem.head_dim
         if target.kind == "hip":
             return {"block_M": 64, "block_N": 64, "num_stages": 1, "threads": 256}
-        if D <= 128:
-            return {"block_M": 128, "block_N": 128, "num_stages": 2, "threads": 256, "overlap": 0}
+        if D <= 128:  # two K/V stages at head_dim 128 take 192 KiB: one stage below sm_90
+            stages = 2 if smem_limit(target.arch) >= 192 * 1024 else 1
+            return {"block_M": 128, "block_N": 128, "num_stages": stages, "threads": 256,
+                    "overlap": 0}
         return {"block_M": 128, "block_N": 64, "num_stages": 1, "threads": 256, "overlap": 0}
 
     def check_config(self, problem: AttentionProblem, config: Config,

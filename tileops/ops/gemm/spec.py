@@ -147,9 +147,10 @@ class GemmSpec(OpSpec):
         if (target.arch.startswith("sm_90") and not config.get("swap_ab")
                 and bm % (64 * (threads // 128))):
             return f"wgmma needs block_M a multiple of 64 per warpgroup ({threads // 128})"
-        reason = check_decode_knobs(problem.M, problem.K, config, target.arch, min_block_M=64)
-        if reason:
-            return reason
+        if target.kind == "cuda":
+            reason = check_decode_knobs(problem.M, problem.K, config, target.arch, min_block_M=64)
+            if reason:
+                return reason
         if bm * bk * esize < threads * 16 // 2:
             return "A tile too small for the thread block"
         return None

@@ -115,8 +115,11 @@ class MlaDecodeSpec(OpSpec):
             return {"block_H": 16, "block_N": 32, "num_splits": 1}
         rows = problem.s_q * problem.h_q
         ctas = problem.batch * -(-rows // 64)
-        return {"block_H": 64, "block_N": 64, "num_stages": 2, "threads": 256,
-                "num_splits": default_splits(ctas, problem.seqlen, 64, target.units or 132)}
+        # Two stages of 64 keys take 226 KiB of shared memory: sm_90's budget, not sm_80's.
+        block_N = 64 if smem_limit(target.arch) >= 226 * 1024 else 32
+        return {"block_H": 64, "block_N": block_N, "num_stages": 2, "threads": 256,
+                "num_splits": default_splits(ctas, problem.seqlen, block_N,
+                                             target.units or 132)}
 
     def check_config(self, problem: MlaProblem, config: Config, target: Target) -> str | None:
         if PAGE % config["block_N"]:
