@@ -1,10 +1,14 @@
 """Timers: median latency of a launch, measured the same way for candidates and the baseline.
 
 GPUs (CUDA and ROCm through torch.cuda): CUDA events around each launch after warm-up, with the L2
-cache flushed (a buffer twice its size zeroed) before every timed launch, so small problems are
-not flattered by data left in the cache; the median of many repeats. Other devices: wall-clock
-`perf_counter` around each synchronised launch, median of repeats. The number of repeats adapts to
-the launch's duration within a time budget.
+cache flushed before every timed launch, so small problems are not flattered by data left in the
+cache; the median of many repeats. The flush writes a buffer twice the L2's size and then reads it
+back ("clean", the default): the write evicts everything, and the read leaves the L2 full of
+clean lines, so the timed launch does not pay for writing the flush's dirty lines back to memory
+(with the write alone, "dirty", a launch may have to write back up to a whole L2 of them: 50 MB
+on an H200, ~12 us at its bandwidth); "none" skips the flush (to see what a warm cache gives).
+Other devices: wall-clock `perf_counter` around each synchronised launch, median of repeats. The
+number of repeats adapts to the launch's duration within a time budget.
 """
 
 from __future__ import annotations
@@ -45,8 +49,12 @@ class Stats:
 class Timer:
     """Measures launches on one device."""
 
-    def __init__(self, device: torch.device, budget_s: float | None = None):
+    def __init__(self, device: torch.device, budget_s: float | None = None,
+                 flush: str = "clean"):
+        if flush not in ("clean", "dirty", "none"):
+            raise ValueError(f"flush must be 'clean', 'dirty' or 'none', not {flush!r}")
         self.device = device
+        self.flush_mode = flush
         self.gpu = device.type == "cuda"
         kind = "gpu" if self.gpu else "host"
         self.budget_s = BUDGET_S[kind] if budget_s is None else budget_s
@@ -88,7 +96,10 @@ class Timer:
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
         for start, end in zip(starts, ends, strict=True):
-            flush.zero_()
+            if self.flush_mode != "none":
+                flush.zero_()
+            if self.flush_mode == "clean":
+                flush.sum()
             start.record()
             launch()
             end.record()
