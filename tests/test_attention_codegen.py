@@ -10,7 +10,6 @@ from test_codegen import H200
 
 from tileops.dispatch import lower
 from tileops.ops.attention import ATTENTION
-from tileops.target import Target
 
 
 def test_attention_lowers_to_wgmma_on_sm90a():
@@ -29,14 +28,6 @@ def test_attention_overlap_variant_lowers_on_sm90a():
     assert ATTENTION.check_config(problem, config, H200) is None
     src = lower(ATTENTION.build(problem, config, H200), H200).kernel_source
     assert "wgmma_ss" in src and "wgmma_rs" in src
-
-
-def test_attention_lowers_to_mfma_on_gfx942():
-    mi300 = Target("hip", "gfx942", "codegen", 304)
-    problem = ATTENTION.Problem(1, 4096, 4096, 32, 8, 128, True, "bfloat16")
-    config = ATTENTION.default_config(problem, mi300)
-    assert ATTENTION.check_config(problem, config, mi300) is None
-    assert "mfma" in lower(ATTENTION.build(problem, config, mi300), mi300).kernel_source
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
