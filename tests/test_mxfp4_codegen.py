@@ -37,6 +37,11 @@ def test_decode_tiles_swap_onto_wgmma_and_split_k():
     assert "float* __restrict__ partials" in src and "mxfp4_gemm_split_k_kernel_1" in src
 
 
+def test_register_decode_feeds_wgmma_from_registers():
+    src = source(16, 4096, 4096, dequant="reg")
+    assert "wgmma_rs" in src  # A operand (the decoded weight) from registers
+
+
 def test_unswapped_decode_tiles_use_mma():
     src = source(16, 4096, 4096, swap_ab=0, split_k=1)  # block_M = 16 rows: mma.sync
     assert "mma" in src and "wgmma" not in src and "partials" not in src

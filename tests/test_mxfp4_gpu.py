@@ -44,9 +44,12 @@ def test_quantize_on_cuda_matches_cpu():
                        tileops.dequantize_mxfp4(*cpu))
 
 
-@pytest.mark.parametrize("dequant", ["bits", "lut", "global"])
-@pytest.mark.parametrize(("M", "block_M", "swap_ab"), [(1, 16, 1), (13, 32, 1), (13, 16, 0),
-                                                      (129, 64, 0)])
+@pytest.mark.parametrize(("M", "block_M", "swap_ab", "dequant"), [
+    (M, block_M, swap_ab, dequant)
+    for M, block_M, swap_ab in [(1, 16, 1), (13, 32, 1), (13, 16, 0), (129, 64, 0)]
+    for dequant in ["bits", "lut", "reg", "global"]
+    if swap_ab or dequant != "reg"  # "reg" decodes the A operand: swapped tiles only
+])
 def test_every_element_written_cuda(M, block_M, swap_ab, dequant):
     """Decode tiles (swapped, split-K from the default) and prefill tiles, at odd M, N, K."""
     target = target_of(CUDA)

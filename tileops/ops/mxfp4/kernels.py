@@ -9,6 +9,9 @@ Where the weight is decoded is a configuration knob (`dequant`):
           matrix units read, so the weight crosses memory at 4.25 bits per element; the fp32
           bit pattern of each E2M1 code is assembled with shifts and masks;
   "lut":  the same, with the code's value read from a 16-entry fp32 table in shared memory;
+  "reg":  as "bits", but each thread decodes into its registers exactly the elements it feeds
+          to wgmma as the A operand (with swap_ab the weight is that operand): no decoded tile
+          is written to shared memory and read back;
   "global": a first kernel decodes the whole weight into a (N, K) workspace of the activation
           dtype and the GEMM tile loop (`gpu_tiles.matmul`) reads that. At large M every weight
           tile is used by M / block_M CTAs, so decoding it once beats decoding it in every CTA;
@@ -85,7 +88,7 @@ def gpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block
 
         return mxfp4_gemm_global
 
-    lut = dequant == "lut"
+    lut, reg = dequant == "lut", dequant == "reg"
     k_steps = -(-K // block_K) // split_k  # check_config: split_k divides the K steps
     partial = split_k > 1
 
@@ -96,7 +99,9 @@ def gpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block
             A_s = T.alloc_shared((block_M, block_K), dtype)
             W_s = T.alloc_shared((block_N, block_K // 2), "uint8")
             S_s = T.alloc_shared((block_N, block_K // BLOCK), "uint8")
-            B_s = T.alloc_shared((block_N, block_K), dtype)
+            # "reg": the decoded tile stays in the registers of the threads that feed it to the
+            # matrix units as their A operand (wgmma's register-sourced form; swap_ab only).
+            B_s = (T.alloc_fragment if reg else T.alloc_shared)((block_N, block_K), dtype)
             table = T.alloc_shared((16,), ACCUM)
             C_f = gpu_tiles.accumulator(block_M, block_N, swap_ab)
             if lut:

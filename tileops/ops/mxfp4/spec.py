@@ -155,9 +155,15 @@ class Mxfp4GemmSpec(OpSpec):
             if config.get("split_k", 1) != 1:
                 return "the global dequantisation is for large M: split_k 1 only"
             smem = max(stages, 1) * (bm + bn) * bk * esize
-        else:  # A, packed W, scales and the decoded B tile per stage
-            per_stage = bm * bk * esize + bn * bk // 2 + bn * bk // BLOCK + bn * bk * esize
+        else:  # A, packed W, scales (and the decoded B tile, unless in registers) per stage
+            decoded = 0 if config["dequant"] == "reg" else bn * bk * esize
+            per_stage = bm * bk * esize + bn * bk // 2 + bn * bk // BLOCK + decoded
             smem = max(stages, 1) * per_stage + 64
+            if config["dequant"] == "reg":
+                if not config.get("swap_ab"):
+                    return "dequant 'reg' feeds the weight as the A operand: swap_ab only"
+                if bn * bk * esize // 4 // threads > 128:
+                    return f"{bn * bk * esize // 4 // threads} registers per thread of decoded tile"
         limit = smem_limit(target.arch)
         if smem > limit:
             return f"shared memory {smem // 1024} KiB > {limit // 1024} KiB"
