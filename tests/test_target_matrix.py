@@ -1,0 +1,145 @@
+"""The platform matrix: every operator on every GPU target we cannot run here, by code generation.
+
+For each (operator, target) `MATRIX` says what happens, and the tests check exactly that:
+
+* LOWERS: the default configuration for a small problem is in the target's space and passes
+  `check_config`, and the generated source uses the target's matrix instructions (`MARKERS`);
+* REFUSED: the spec declares no kernel for the target's kind, and a call on that target raises
+  `NotImplementedError` with that reason before anything is compiled;
+* `Crashes(...)`: a known TileLang lowering failure, kept as a strict xfail: when it starts to
+  lower, the test fails until the table says LOWERS.
+
+The README's Platforms table is this matrix.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from tileops.dispatch import DISPATCHER, lower
+from tileops.ops import SPECS
+from tileops.target import Target
+
+TARGETS = {
+    "sm_90a": Target("cuda", "sm_90a", "H200", 132),
+    "sm_80": Target("cuda", "sm_80", "A100", 108),
+    "gfx942": Target("hip", "gfx942", "MI300X", 304),
+    "gfx1100": Target("hip", "gfx1100", "RX 7900 XTX", 96),
+    "metal": Target("metal", "apple", "Apple GPU"),
+}
+MARKERS = {"sm_90a": "wgmma", "sm_80": "mma", "gfx942": "mfma", "gfx1100": "wmma",
+           "metal": "simdgroup"}
+
+# The smallest problems (spec syntax, dtype) whose default tiles still take the tensor-core path.
+PROBLEMS = {
+    "gemm": ("128x256x256", "float16"),
+    "mxfp4_gemm": ("16x256x256", "bfloat16"),
+    "attention": ("1x128x128x32x8x128:causal", "bfloat16"),
+    "mla_decode": ("B1xS128xH16", "bfloat16"),
+}
+
+
+class Crashes(NamedTuple):
+    """A target the spec accepts but whose program TileLang fails to lower: why."""
+
+    error: str
+
+
+LOWERS, REFUSED = "lowers", "refused"
+_ATTENTION_RDNA = Crashes("TileLang LayoutInference: 'Layout infer conflict between S and P in "
+                          "T.Parallel loop' (every valid point of the hip space)")
+_MLA_SM80 = Crashes("TileLang PipelinePlanner: 'Multiple writes to overlapping buffer regions "
+                    "detected ... buffer K_s' (every valid point of the cuda space)")
+
+MATRIX = {
+    #              sm_90a  sm_80      gfx942   gfx1100          metal
+    "gemm":       (LOWERS, LOWERS,    LOWERS,  LOWERS,          LOWERS),
+    "mxfp4_gemm": (LOWERS, LOWERS,    LOWERS,  LOWERS,          LOWERS),
+    "attention":  (LOWERS, LOWERS,    LOWERS,  _ATTENTION_RDNA, REFUSED),
+    "mla_decode": (LOWERS, _MLA_SM80, REFUSED, REFUSED,         REFUSED),
+}
+
+
+def _cases(outcome: str) -> list:
+    cases = []
+    for op, row in MATRIX.items():
+        for name, entry in zip(TARGETS, row, strict=True):
+            marks = ()
+            if isinstance(entry, Crashes):
+                marks = pytest.mark.xfail(strict=True, reason=entry.error)
+                entry = LOWERS
+            if entry == outcome:
+                cases.append(pytest.param(op, name, marks=marks, id=f"{op}-{name}"))
+    return cases
+
+
+def problem(op: str) -> tuple:
+    text, dtype = PROBLEMS[op]
+    return SPECS[op].parse_problem(text, dtype)
+
+
+@functools.cache
+def _source(op: str, name: str, overrides: tuple) -> str:
+    spec, target = SPECS[op], TARGETS[name]
+    config = {**spec.default_config(problem(op), target), **dict(overrides)}
+    assert spec.check_config(problem(op), config, target) is None
+    return lower(spec.build(problem(op), config, target), target).kernel_source
+
+
+def source(op: str, name: str, **overrides) -> str:
+    """The generated device code for the default config (with `overrides`); memoised."""
+    return _source(op, name, tuple(sorted(overrides.items())))
+
+
+def test_the_matrix_covers_every_operator_and_target():
+    assert set(MATRIX) == set(SPECS) == set(PROBLEMS)
+    assert all(len(row) == len(TARGETS) for row in MATRIX.values())
+
+
+@pytest.mark.parametrize(("op", "name"), _cases(LOWERS))
+def test_default_config_lowers_to_the_matrix_instructions(op, name):
+    spec, target, p = SPECS[op], TARGETS[name], problem(op)
+    assert spec.unsupported_reason(target) is None
+    config = spec.default_config(p, target)
+    assert set(config) == set(spec.space(target))
+    assert spec.check_config(p, config, target) is None
+    assert MARKERS[name] in source(op, name).lower()
+
+
+def _no_compile(*args):
+    raise AssertionError("a refused target reached compilation")
+
+
+@pytest.mark.parametrize(("op", "name"), _cases(REFUSED))
+def test_target_is_refused_with_a_reason(op, name, monkeypatch):
+    from tileops import dispatch
+
+    spec, target = SPECS[op], TARGETS[name]
+    reason = spec.unsupported_reason(target)
+    assert reason and target.kind in reason and op in reason
+    # A call on that target (its tensors simulated on the CPU) is refused before any compile.
+    monkeypatch.setattr(dispatch._target, "target_of", lambda device: target)
+    monkeypatch.setattr(dispatch, "compile_kernel", _no_compile)
+    inputs = spec.make_inputs(problem(op), torch.device("cpu"))
+    with pytest.raises(NotImplementedError, match=re.escape(reason)):
+        DISPATCHER(spec, *inputs)
+
+
+K_PACK_OPS = [op for op, spec in SPECS.items()
+              if spec.unsupported_reason(TARGETS["gfx942"]) is None
+              and "k_pack" in spec.space(TARGETS["gfx942"])]
+
+
+def test_k_pack_is_exercised():
+    assert "gemm" in K_PACK_OPS
+
+
+@pytest.mark.parametrize("op", K_PACK_OPS)
+def test_k_pack_changes_the_mfma_program(op):
+    one, two = source(op, "gfx942", k_pack=1), source(op, "gfx942", k_pack=2)
+    assert "mfma" in two.lower() and one != two
