@@ -4,10 +4,9 @@ For each (operator, target) `MATRIX` says what happens, and the tests check exac
 
 * LOWERS: the default configuration for a small problem is in the target's space and passes
   `check_config`, and the generated source uses the target's matrix instructions (`MARKERS`);
-* REFUSED: the spec declares no kernel for the target's kind, and a call on that target raises
-  `NotImplementedError` with that reason before anything is compiled;
-* `Crashes(...)`: a known TileLang lowering failure, kept as a strict xfail: when it starts to
-  lower, the test fails until the table says LOWERS.
+* REFUSED: the spec declares no kernel for the target (its kind, or its kind and arch where
+  TileLang fails to lower the program: the spec's `unsupported` says why), and a call on that
+  target raises `NotImplementedError` with that reason before anything is compiled.
 
 The README's Platforms table is this matrix.
 """
@@ -16,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import NamedTuple
 
 import pytest
 import torch
@@ -43,39 +41,20 @@ PROBLEMS = {
     "mla_decode": ("B1xS128xH16", "bfloat16"),
 }
 
-
-class Crashes(NamedTuple):
-    """A target the spec accepts but whose program TileLang fails to lower: why."""
-
-    error: str
-
-
 LOWERS, REFUSED = "lowers", "refused"
-_ATTENTION_RDNA = Crashes("TileLang LayoutInference: 'Layout infer conflict between S and P in "
-                          "T.Parallel loop' (every valid point of the hip space)")
-_MLA_SM80 = Crashes("TileLang PipelinePlanner: 'Multiple writes to overlapping buffer regions "
-                    "detected ... buffer K_s' (every valid point of the cuda space)")
-
 MATRIX = {
-    #              sm_90a  sm_80      gfx942   gfx1100          metal
-    "gemm":       (LOWERS, LOWERS,    LOWERS,  LOWERS,          LOWERS),
-    "mxfp4_gemm": (LOWERS, LOWERS,    LOWERS,  LOWERS,          LOWERS),
-    "attention":  (LOWERS, LOWERS,    LOWERS,  _ATTENTION_RDNA, REFUSED),
-    "mla_decode": (LOWERS, _MLA_SM80, REFUSED, REFUSED,         REFUSED),
+    #              sm_90a  sm_80    gfx942   gfx1100  metal
+    "gemm":       (LOWERS, LOWERS,  LOWERS,  LOWERS,  LOWERS),
+    "mxfp4_gemm": (LOWERS, LOWERS,  LOWERS,  LOWERS,  LOWERS),
+    "attention":  (LOWERS, LOWERS,  LOWERS,  REFUSED, REFUSED),
+    "mla_decode": (LOWERS, REFUSED, REFUSED, REFUSED, REFUSED),
 }
 
 
 def _cases(outcome: str) -> list:
-    cases = []
-    for op, row in MATRIX.items():
-        for name, entry in zip(TARGETS, row, strict=True):
-            marks = ()
-            if isinstance(entry, Crashes):
-                marks = pytest.mark.xfail(strict=True, reason=entry.error)
-                entry = LOWERS
-            if entry == outcome:
-                cases.append(pytest.param(op, name, marks=marks, id=f"{op}-{name}"))
-    return cases
+    return [pytest.param(op, name, id=f"{op}-{name}")
+            for op, row in MATRIX.items()
+            for name, entry in zip(TARGETS, row, strict=True) if entry == outcome]
 
 
 def problem(op: str) -> tuple:

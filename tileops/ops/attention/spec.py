@@ -64,7 +64,10 @@ class AttentionSpec(OpSpec):
     categorical = ("heads_q", "heads_kv", "head_dim", "causal", "dtype")
     baseline_name = "torch scaled_dot_product_attention (cuDNN on CUDA)"
     kernel_module = kernels.__name__
-    unsupported = {"metal": _NO_METAL}
+    unsupported = {"metal": _NO_METAL,
+                   "hip:gfx11": "TileLang's layout inference for RDNA's WMMA fragments conflicts "
+                                "between the scores and the probabilities (S and P) in the "
+                                "softmax loop"}
 
     # ---- problems -------------------------------------------------------------------------------
     def prepare(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,

@@ -63,7 +63,10 @@ class MlaDecodeSpec(OpSpec):
     categorical = ("h_q", "s_q", "dtype")
     baseline_name = "torch (gather pages, matmul, softmax)"
     unsupported = {"hip": "TileLang's layout inference rejects the softmax row vectors against "
-                          "the output accumulator's layout on gfx942"}
+                          "the output accumulator's layout on gfx942",
+                   "cuda:sm_8": "TileLang's software pipeline planner (used below sm_90) rejects "
+                                "the key tile being written twice per step (the load, and the "
+                                "zeroing of rows past the sequence's end)"}
     kernel_module = kernels.__name__
 
     # ---- problems -------------------------------------------------------------------------------
