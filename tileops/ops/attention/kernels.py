@@ -47,7 +47,8 @@ _OVERLAP = {"order": [_EMIT.index(i) for i in range(14)],
 
 
 def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype: str, *,
-                block_M: int, block_N: int, num_stages: int, threads: int, overlap: int = 0):
+                block_M: int, block_N: int, num_stages: int, threads: int, overlap: int = 0,
+                k_pack: int = 1):
     """The GPU tile program: T.gemm for Q K^T and P V (wgmma on sm_90a), pipelined KV loads.
 
     With `overlap` 0, TileLang warp-specialises it on sm_90a: a TMA producer warpgroup feeds
@@ -56,6 +57,9 @@ def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
     softmax of one KV block sits between the products of its neighbours.
     """
     batch, seqlen_q, seqlen_kv = T.dynamic("batch"), T.dynamic("seqlen_q"), T.dynamic("seqlen_kv")
+    # AMD MFMA K packing (the hip space varies it) for Q K^T; P V keeps the default, since a packed
+    # layout of the scores would not match the one P needs as a register operand.
+    annotations = {"k_pack": k_pack} if k_pack != 1 else None
     group = heads_q // heads_kv
     scale = head_dim ** -0.5 * LOG2E
     q_shape = (batch, seqlen_q, heads_q, head_dim)
@@ -98,7 +102,8 @@ def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
                                                {"num_stages": num_stages})):
                 T.copy(K[b, kb * block_N:(kb + 1) * block_N, kv_head, :], K_s)
                 T.clear(S)
-                T.gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                T.gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
+                       annotations=annotations)
                 for i, j in T.Parallel(block_M, block_N):
                     S[i, j] = T.if_then_else(
                         _visible(q0 + i, kb * block_N + j, seqlen_q, seqlen_kv, causal),

@@ -159,7 +159,7 @@ class AttentionSpec(OpSpec):
             return {"block_M": 16, "block_N": 32}
         D = problem.head_dim
         if target.kind == "hip":
-            return {"block_M": 64, "block_N": 64, "num_stages": 1, "threads": 256}
+            return {"block_M": 64, "block_N": 64, "num_stages": 1, "threads": 256, "k_pack": 1}
         if D <= 128:  # two K/V stages at head_dim 128 take 192 KiB: one stage below sm_90
             stages = 2 if smem_limit(target.arch) >= 192 * 1024 else 1
             return {"block_M": 128, "block_N": 128, "num_stages": stages, "threads": 256,

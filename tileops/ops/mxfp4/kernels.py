@@ -66,15 +66,16 @@ def _scale(e8m0):
 
 def gpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block_K: int,
                 num_stages: int, threads: int, dequant: str, split_k: int = 1,
-                swap_ab: int = 0, swizzle: int = 0):
+                swap_ab: int = 0, swizzle: int = 0, k_pack: int = 1):
     """The GPU tile program: wgmma on sm_90a, mma on older CUDA (see the module docstring for
     `dequant`). `swap_ab` and `split_k` are the decode knobs of `gpu_tiles`; with `split_k` > 1
     the program takes its fp32 workspace (split_k, M, N) after C, and with "global" its
-    dequantised weight (N, K) last."""
+    dequantised weight (N, K) last. `k_pack` packs K for AMD's MFMA (the hip space varies it)."""
     M = T.dynamic("m")
     tile = {"block_M": block_M, "block_N": block_N, "block_K": block_K,
             "num_stages": num_stages, "threads": threads, "swizzle": swizzle,
-            "split_k": split_k, "swap_ab": swap_ab}
+            "split_k": split_k, "swap_ab": swap_ab, "k_pack": k_pack}
+    annotations = {"k_pack": k_pack} if k_pack != 1 else None
 
     if dequant == "global":  # check_config: with split_k 1
         tiles = gpu_tiles.matmul(M, N, K, dtype, True, **tile)
@@ -122,7 +123,7 @@ def gpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block
                     code = _nibble(W_s[n, kk // 2], kk)
                     value = table[code] if lut else _code_value_bits(code)
                     B_s[n, kk] = T.cast(value * _scale(S_s[n, kk // BLOCK]), dtype)
-                gpu_tiles.mma(A_s, B_s, C_f, swap_ab, True, None)
+                gpu_tiles.mma(A_s, B_s, C_f, swap_ab, True, annotations)
             gpu_tiles.store(C_f, C, partials, by * block_M, bx * block_N, bz, swap_ab, partial)
 
     if not partial:

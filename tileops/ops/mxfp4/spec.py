@@ -124,7 +124,7 @@ class Mxfp4GemmSpec(OpSpec):
             return {"block_M": min(M, 32), "block_N": 32, "block_K": 64, "dequant": "bits"}
         if target.kind == "hip":  # four wavefronts, within 64 KiB of LDS for two stages
             return {"block_M": 32 if M <= 32 else 64, "block_N": 128, "block_K": 64,
-                    "num_stages": 2, "threads": 256, "dequant": "bits"}
+                    "num_stages": 2, "threads": 256, "dequant": "bits", "k_pack": 1}
         if target.kind == "metal":  # within 32 KiB of threadgroup memory
             return {"block_M": 32, "block_N": 32, "block_K": 32, "num_stages": 0, "threads": 128,
                     "dequant": "bits"}
