@@ -175,6 +175,20 @@ def test_dry_run_lowers_each_config_for_an_absent_target(capsys):
     assert rc == 0 and len(out) == 5 and all(line.endswith("  lowers") for line in out[1:])
 
 
+def test_dry_run_compiles_each_kernel_once_into_the_cache(tmp_path, monkeypatch, capsys):
+    """`--dry-run --compile` fills TileLang's kernel cache, so that a later sweep loads the
+    kernels: two problems of one M bucket family share their kernels (M is dynamic)."""
+    cache = tmp_path / "kernel-cache"
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(cache))
+    space = {"block_M": [4, 16], "block_N": [16], "block_K": [16]}
+    rc = tune_main(["--device", "cpu", "--op", "gemm", "--shape", "4x16x16", "--shape",
+                    "16x16x16", "--dtype", "float32", "--space", json.dumps(space), "--dry-run",
+                    "--compile", "--no-warm-start", "--jobs", "2"])
+    assert rc == 0
+    assert "compiled 2 of 2 (0 failed)" in capsys.readouterr().err
+    assert len([p for p in cache.rglob("*") if p.is_dir() and p.parent.name == "kernels"]) == 2
+
+
 def test_suites():
     llama = suites.load("gemm_llama")
     assert llama.op == "gemm" and len(llama.problems) == 7 * 8 * 2

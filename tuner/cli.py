@@ -15,6 +15,7 @@ import argparse
 import itertools
 import json
 import logging
+import os
 import signal
 import sys
 import warnings
@@ -36,7 +37,9 @@ from . import studies, suites, sweep
 from .dbcli import add_db_arguments, db_command
 from .dispatch_check import check_dispatch
 from .errors import UsageError
+from .evaluate import Job
 from .progress import Progress, table
+from .session import Session
 
 log = logging.getLogger("tuner")
 
@@ -82,6 +85,11 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lower", action="store_true",
                    help="with --dry-run: generate each configuration's code for the target (no "
                         "hardware needed) and mark the ones that fail")
+    p.add_argument("--compile", action="store_true",
+                   help="with --dry-run: compile each configuration into TileLang's kernel cache "
+                        "($TILELANG_CACHE_DIR), on all cores; needs the target's compiler (nvcc "
+                        "for CUDA), not its hardware. A sweep that later runs on the hardware with "
+                        "that cache loads those kernels instead of compiling them")
     p.add_argument("--dry-run", action="store_true",
                    help="list the configurations that pass the constraint checks; compile nothing")
     p.add_argument("--quiet", action="store_true", help="no progress lines or summary")
@@ -101,6 +109,8 @@ def tune(args: argparse.Namespace) -> int:
         **({"jobs": args.jobs} if args.jobs else {}))
     if args.dry_run:
         print(dry_run(plan, lower=args.lower))
+        if args.compile:
+            return precompile(plan, Progress(quiet=args.quiet))
         return 0
     _check_writable(db)
     log.info("tuning %d %s problem(s) on %s with %d worker(s); records go to %s, studies to %s",
@@ -139,6 +149,36 @@ def dry_run(plan: sweep.Plan, lower: bool = False) -> str:
                 lines.append(f"  warm start ({source}): {canonical(config)}")
         lines += [f"  {canonical(c)}{_lowering(plan, problem, c) if lower else ''}" for c in valid]
     return "\n".join(lines)
+
+
+def precompile(plan: sweep.Plan, progress: Progress) -> int:
+    """Compile every configuration `dry_run` lists, warm starts included (each distinct kernel
+    once), into TileLang's kernel cache."""
+    assert plan.space is not None
+    jobs, seen = [], set()
+    for problem in plan.problems:
+        warm = ([c for c, _ in sweep.warm_start_configs(plan, problem)]
+                if plan.warm_start and plan.sampler != "grid" else [])
+        for config in [*warm, *_grid(plan.space)]:
+            key = (plan.spec.kernel_key(problem), canonical(config))
+            if key not in seen and plan.spec.check_config(problem, config, plan.target) is None:
+                seen.add(key)
+                jobs.append(Job(plan.spec, problem, plan.target, "cpu", config))
+    cache = os.environ.get("TILELANG_CACHE_DIR", "TileLang's default cache")
+    progress.note(f"compiling {len(jobs)} kernels for {plan.target.describe()} on {plan.jobs} "
+                  f"processes into {cache}")
+    failed = 0
+    with Session("cpu", plan.jobs, plan.trial_timeout) as session:
+        chunk = 4 * plan.jobs  # report progress every few kernels per process
+        for start in range(0, len(jobs), chunk):
+            part = jobs[start:start + chunk]
+            for job, outcome in zip(part, session.compile(part), strict=True):
+                if outcome.error is not None:
+                    failed += 1
+                    progress.note(f"  {plan.spec.problem_label(job.problem)} "
+                                  f"{canonical(job.config)}: {outcome.error}")
+            progress.note(f"compiled {start + len(part)} of {len(jobs)} ({failed} failed)")
+    return 1 if failed else 0
 
 
 def _lowering(plan: sweep.Plan, problem: tuple, config: dict[str, Any]) -> str:
