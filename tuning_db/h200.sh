@@ -8,8 +8,9 @@
 #   bash tuning_db/h200.sh export             # the H200's records into tuning_db/h200.sqlite
 #
 # OP SLICE: gemm decode (M = 1, 16), gemm m64, gemm prefill (M = 256 ... 8192), mxfp4_gemm decode
-# (M = 1, 16), mxfp4_gemm prefill (M = 256 ... 4096). Kernels are compiled for sm_90a into
-# $TILELANG_CACHE_DIR; tuning resumes where it stopped (the Optuna journal beside $DB).
+# (M = 1, 16), mxfp4_gemm prefill (M = 256 ... 4096), attention all (the whole suite: its space is
+# small enough to compile whole, and TPE picks 16 points of it). Kernels are compiled for sm_90a
+# into $TILELANG_CACHE_DIR; tuning resumes where it stopped (the Optuna journal beside $DB).
 set -euo pipefail
 
 DB=${DB:-$HOME/.cache/tileops/h200.sqlite}
@@ -17,7 +18,8 @@ H200='{"kind": "cuda", "arch": "sm_90a", "device": "NVIDIA H200", "units": 132}'
 # (N, K) of the Llama-3-8B and -70B projections, shared by the GEMM and MXFP4 suites.
 NK="6144x4096 4096x4096 28672x4096 4096x14336 10240x8192 8192x8192 57344x8192 8192x28672"
 
-usage() { sed -n '2,13p' "$0"; exit 2; }
+usage() { sed -n '2,14p' "$0"; exit 2; }
+sampler=grid trials=64 space=
 
 case "${2:-}:${3:-}" in
   gemm:decode)  # the weight takes the wgmma M side (swap_ab); split-K for more CTAs
@@ -35,27 +37,32 @@ case "${2:-}:${3:-}" in
   mxfp4_gemm:decode)  # decoded in shared memory or in registers; 512-wide K steps for TMA scales
     ms="1 16"; space='{"block_M": [16], "block_N": [64, 128], "block_K": [256, 512],
       "num_stages": [2, 3], "threads": [128], "dequant": ["bits", "reg"], "swizzle": [0],
-      "split_k": [1, 2, 4], "swap_ab": [1]}' ;;
+      "split_k": [1, 4], "swap_ab": [1]}' ;;
   mxfp4_gemm:prefill)  # the weight decoded once, then the GEMM loop
     ms="256 1024 4096"; space='{"block_M": [64, 128], "block_N": [128, 256], "block_K": [64],
       "num_stages": [3, 4], "threads": [128, 256], "dequant": ["global"], "swizzle": [8],
       "split_k": [1], "swap_ab": [0]}' ;;
+  attention:all)
+    ms=""; sampler=tpe trials=16 ;;
   *) [[ ${1:-} == export ]] || usage ;;
 esac
 
-shapes() {  # one --shape per problem of the slice (GEMM: the w.t() layout)
-  local layout=""; [[ $2 == gemm ]] && layout=":nk"
-  for m in $1; do for nk in $NK; do printf -- '--shape %sx%s%s ' "$m" "$nk" "$layout"; done; done
+problems() {  # the slice's problems: one --shape per (M, N, K) (GEMM: the w.t() layout), or a suite
+  if [[ -z $ms ]]; then printf -- '--suite %s ' "$1"; return; fi
+  local layout=""; [[ $1 == gemm ]] && layout=":nk"
+  for m in $ms; do for nk in $NK; do printf -- '--shape %sx%s%s ' "$m" "$nk" "$layout"; done; done
 }
 
-# shellcheck disable=SC2046  # $(shapes ...): one --shape argument per word
+space_args=()
+[[ -z $space ]] || space_args=(--space "$space")
+# shellcheck disable=SC2046  # $(problems ...): one argument per word
 case "${1:-}" in
-  compile)
-    python3 -m tuner tune --op "$2" $(shapes "$ms" "$2") --dtype bfloat16 --device "$H200" \
-      --space "$space" --sampler grid --dry-run --compile > /dev/null ;;
+  compile)  # every point of the space (the grid), whatever the tuning sampler
+    python3 -m tuner tune --op "$2" $(problems "$2") --dtype bfloat16 --device "$H200" \
+      "${space_args[@]}" --sampler grid --dry-run --compile > /dev/null ;;
   tune)
-    python3 -m tuner tune --op "$2" $(shapes "$ms" "$2") --dtype bfloat16 --device cuda \
-      --space "$space" --sampler grid --trials 64 --db "$DB" ;;
+    python3 -m tuner tune --op "$2" $(problems "$2") --dtype bfloat16 --device cuda \
+      "${space_args[@]}" --sampler "$sampler" --trials "$trials" --db "$DB" ;;
   export)
     python3 -m tuner db export tuning_db/h200.sqlite --db "$DB"
     python3 -m tuner db verify --db tuning_db/h200.sqlite ;;
