@@ -74,24 +74,33 @@ def main() -> None:
               f"cuBLAS {t_base:9.1f} us {flops / t_base / 1e6:7.1f} TF/s  x{t_base / t_tile:.2f}"
               f"  err {err:.1e}  {choice.config}", flush=True)
 
-    # Host overhead of the warm path: tileops.gemm vs the compiled kernel called directly.
-    a = torch.randn(1, 256, device="cuda", dtype=dtype)
-    w = torch.randn(256, 256, device="cuda", dtype=dtype)
-    wt = w.t()  # the user's view; its cost is the user's, not dispatch's
-    tileops.gemm(a, wt)
-    problem = GEMM.prepare(a, wt).problem
-    config = DISPATCHER.choice(GEMM, target, problem).config
-    kernel = dispatch.compile_kernel(GEMM, problem, config, target)
-    c = torch.empty(1, 256, device="cuda", dtype=dtype)
-    overhead = {
-        "tileops.gemm": host_us(lambda: tileops.gemm(a, wt)),
-        "kernel(a, w, c) preallocated": host_us(lambda: kernel(a, w, c)),
-        "kernel with torch.empty": host_us(
-            lambda: kernel(a, w, torch.empty(1, 256, device="cuda", dtype=dtype))),
-        "torch.matmul": host_us(lambda: torch.matmul(a, w.t())),
-    }
-    for k, v in overhead.items():
-        print(f"host {k:32s} {v:6.2f} us")
+    # Host overhead of the warm path, per call: tileops.gemm against the adapted kernel dispatch
+    # launches (the tvm-ffi executable, plus the workspace of a split-K program), TileLang's own
+    # JITKernel call, and torch.matmul. 1x256x256: no split; 16x4096x4096: the default's split-K.
+    overhead = {}
+    for M, N, K in [(1, 256, 256), (16, 4096, 4096)]:
+        a = torch.randn(M, K, device="cuda", dtype=dtype)
+        w = torch.randn(N, K, device="cuda", dtype=dtype)
+        wt = w.t()  # the user's view; its cost is the user's, not dispatch's
+        tileops.gemm(a, wt)
+        problem = GEMM.prepare(a, wt).problem
+        config = DISPATCHER.choice(GEMM, target, problem).config
+        kernel = dispatch.compile_kernel(GEMM, problem, config, target)
+        jit = dispatch._compile(GEMM.build(problem, config, target), target)
+        c = torch.empty(M, N, device="cuda", dtype=dtype)
+        extra = ([torch.empty(config["split_k"], M, N, device="cuda", dtype=torch.float32)]
+                 if config.get("split_k", 1) > 1 else [])
+        label = f"{M}x{N}x{K}"
+        overhead[label] = {
+            "tileops.gemm": host_us(lambda a=a, wt=wt: tileops.gemm(a, wt)),
+            "adapted kernel, preallocated C": host_us(
+                lambda k=kernel, a=a, w=w, c=c: k(a, w, c)),
+            "TileLang JITKernel, preallocated": host_us(
+                lambda j=jit, a=a, w=w, c=c, extra=extra: j(a, w, c, *extra)),
+            "torch.matmul": host_us(lambda a=a, w=w: torch.matmul(a, w.t())),
+        }
+        for k, v in overhead[label].items():
+            print(f"host {label:14s} {k:34s} {v:6.2f} us")
     versions = {"tileops": tileops.__version__, "torch": torch.__version__,
                 "cuda": torch.version.cuda}
     with open(args.out, "w") as f:
