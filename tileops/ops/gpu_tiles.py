@@ -9,7 +9,7 @@ reading the weight:
 - `split_k` > 1 gives each of `split_k` CTAs per output tile a contiguous slice of the K steps,
   so that enough CTAs stream the weight at once. They write fp32 partials to a workspace
   (split_k, M, N), the program's last parameter `partials`, and `sum_partials` adds them into C
-  in a second kernel (`common.gpu_adapter` allocates the workspace at each call).
+  in a second kernel (`host.gpu_adapter` allocates the workspace at each call).
 
 `matmul` is the whole tile loop of C = A @ B with these knobs; the GEMM is that loop, the MXFP4
 GEMM's "global" strategy runs it on the weight it dequantised first.

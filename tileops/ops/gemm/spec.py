@@ -17,8 +17,9 @@ from ...spec import Call, Config, OpSpec, pow2_bucket
 from ...target import Target
 from ..common import DTYPE_NAMES as _NAMES
 from ..common import DTYPE_SIZES as _SIZES
-from ..common import DTYPES, BitsAdapter, check_decode_knobs, decode_split_k, gpu_adapter, smem_limit
+from ..common import DTYPES, BitsAdapter, smem_limit
 from ..common import dtype_name as _name
+from ..host import check_decode_knobs, decode_split_k, gpu_adapter
 from . import kernels
 
 # What each device type's kernels take as inputs.

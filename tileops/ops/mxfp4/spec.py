@@ -19,16 +19,8 @@ import torch
 
 from ...spec import Call, Config, OpSpec, pow2_bucket
 from ...target import Target
-from ..common import (
-    DTYPE_SIZES,
-    DTYPES,
-    BitsAdapter,
-    check_decode_knobs,
-    decode_split_k,
-    dtype_name,
-    gpu_adapter,
-    smem_limit,
-)
+from ..common import DTYPE_SIZES, DTYPES, BitsAdapter, dtype_name, smem_limit
+from ..host import check_decode_knobs, decode_split_k, gpu_adapter
 from . import kernels
 from .format import BLOCK, check_packed, dequantize_mxfp4, quantize_mxfp4
 

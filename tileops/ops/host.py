@@ -1,0 +1,97 @@
+"""Host-side helpers of the GPU specs: the checks and defaults of the decode knobs of
+`gpu_tiles` (swap_ab, split_k), and the calling convention of compiled GPU programs.
+
+Kept apart from `common`, whose source is part of every kernel's hash: changing how a kernel is
+called or which configurations are tried does not change the kernels, so it must not make tuning
+records stale.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .common import DTYPES, smem_limit
+
+
+def check_decode_knobs(M: int, K: int, config: dict, arch: str, min_block_M: int) -> str | None:
+    """Why a CUDA configuration's `swap_ab` / `split_k` (see `gpu_tiles`) cannot run, or None.
+
+    `min_block_M` is the smallest useful unswapped token tile (64 where only wgmma serves it);
+    a token tile larger than the problem's M bucket needs is pruned, as it only adds padding.
+    """
+    bm, bn, bk, threads = config["block_M"], config["block_N"], config["block_K"], config["threads"]
+    split, swap = config.get("split_k", 1), config.get("swap_ab", 0)
+    if swap and arch.startswith("sm_90") and bn % (64 * (threads // 128)):
+        return f"wgmma needs block_N (swap_ab) a multiple of 64 per warpgroup ({threads // 128})"
+    if swap and bm * bn * 4 > smem_limit(arch):  # the transposing epilogue tile (fp32)
+        return f"swap_ab epilogue tile {bm * bn * 4 // 1024} KiB > {smem_limit(arch) // 1024} KiB"
+    if bm > max(M, 16 if swap else min_block_M):
+        return f"block_M {bm} is more rows than M <= {M} needs"
+    if split > 1:
+        k_steps = -(-K // bk)
+        if M > 256:
+            return "split_k is for M <= 256, where the tiles alone cannot fill the GPU"
+        if k_steps % split or k_steps // split < 2:
+            return f"split_k {split} does not divide {k_steps} K steps into >= 2 each"
+    return None
+
+
+def decode_split_k(N: int, K: int, block_N: int, block_K: int, units: int) -> int:
+    """K splits for a decode GEMM: the fewest that give two CTAs per SM, each still walking >= 4
+    K steps (the weight is read once either way; more splits only add partials to sum)."""
+    tiles, k_steps = -(-N // block_N), -(-K // block_K)
+    split = 1
+    while tiles * split < 2 * units and k_steps % (2 * split) == 0 and k_steps // (2 * split) >= 4:
+        split *= 2
+    return split
+
+
+# Program parameters that are scratch space, allocated by `WorkspaceAdapter` at each call.
+WORKSPACES = ("partials", "dequantized")
+
+
+class WorkspaceAdapter:
+    """Calls a program whose trailing parameters are workspaces (`WORKSPACES`), allocating them
+    (uninitialised) at each call. A workspace dimension that is not a constant is M, the dynamic
+    size of these programs: the rows of the first argument."""
+
+    def __init__(self, kernel: Any, shapes: list[tuple[tuple[int | None, ...], torch.dtype]]):
+        self.kernel, self.shapes = kernel, shapes
+
+    def __call__(self, *args: torch.Tensor) -> None:
+        a = args[0]
+        rows = a.shape[0]
+        self.kernel(*args, *(torch.empty([rows if d is None else d for d in shape], dtype=dtype,
+                                         device=a.device) for shape, dtype in self.shapes))
+
+
+def executable(kernel: Any) -> Any:
+    """What to call for a compiled TileLang kernel whose every parameter the caller passes.
+
+    `JITKernel.__call__` goes through its tvm-ffi adapter's Python wrapper (loops over the
+    parameters to allocate outputs, finds the output device) before the compiled executable; a
+    few microseconds per call that decode-sized kernels feel. Our programs have no outputs to
+    allocate, so the executable alone does the same. Other execution backends keep the kernel.
+    """
+    adapter = getattr(kernel, "adapter", None)
+    get = getattr(adapter, "_get_executable", None)
+    if get is None or getattr(adapter, "result_idx", None):
+        return kernel
+    return get()
+
+
+def gpu_adapter(kernel: Any) -> Any:
+    """A compiled GPU program as `launch` calls it: its executable, given the workspaces the
+    program declares (split-K partials, a dequantised weight)."""
+    func = kernel.prim_func
+    shapes = []
+    for param in func.params:
+        buf = func.buffer_map.get(param)
+        if buf is not None and buf.name in WORKSPACES:
+            # a constant (IntImm, with a `value`) or the dynamic M (a Var)
+            dims = tuple(int(d) if hasattr(d, "value") else None for d in buf.shape)
+            shapes.append((dims, DTYPES[str(buf.dtype)]))
+    run = executable(kernel)
+    return WorkspaceAdapter(run, shapes) if shapes else run
