@@ -44,6 +44,7 @@ class Measurement:
     reason: str = ""
     error: float | None = None  # relative error of the checked output
     round_medians: tuple[float, ...] = field(default=())  # re-timing rounds (see `retime`)
+    gpu: str | None = None  # the GPU it ran on (its UUID), so a sweep can show where it timed
 
     @property
     def ok(self) -> bool:
@@ -72,7 +73,8 @@ def measure(job: Job, seed: int) -> Measurement:
     failure = run.check(seed)
     if failure is not None:
         return failure
-    return Measurement(stats=_timer(device).measure(run.launch), error=run.error)
+    return Measurement(stats=_timer(device).measure(run.launch), error=run.error,
+                       gpu=_gpu_id(device))
 
 
 def retime(jobs: list[Job], seed: int, rounds: int) -> list[Measurement]:
@@ -213,6 +215,15 @@ def _device(name: str) -> torch.device:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return device
+
+
+def _gpu_id(device: torch.device) -> str | None:
+    """The UUID of the GPU that `device` names (what nvidia-smi lists), None off GPUs."""
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    uuid = str(getattr(props, "uuid", "") or "")
+    return uuid if uuid.startswith("GPU-") or not uuid else f"GPU-{uuid}"
 
 
 def _quiet_logs() -> None:

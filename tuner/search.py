@@ -108,8 +108,10 @@ def _ask_batch(study: optuna.Study, task: Task, ledger: Ledger, n: int, repeats:
     """Ask up to `n` trials; answer repeats and refused configs at once, return the candidates."""
     candidates: list[tuple[Trial, Config]] = []
     taken = set(ledger.in_flight)
+    grid = studies.grid_size(task.space)
     asked = 0
-    while len(candidates) < n and asked < n + MAX_REPEATS and repeats < MAX_REPEATS:
+    while (len(candidates) < n and asked < n + MAX_REPEATS and repeats < MAX_REPEATS
+           and len(ledger.finished.keys() | taken) < grid):  # else only repeats are left
         asked += 1
         trial, config = studies.ask(study, task.space)
         key = canonical(config)
@@ -168,6 +170,8 @@ def _tell(study: optuna.Study, trial: Trial, m: Measurement) -> None:
     attrs: dict[str, Any] = {studies.COUNTED: True}
     if m.error is not None:
         attrs[studies.ERROR] = m.error
+    if m.gpu is not None:
+        attrs[studies.GPU] = m.gpu
     if m.ok:
         assert m.stats is not None
         studies.tell_value(study, trial, m.stats.median_us, q25_us=m.stats.q25_us,

@@ -47,6 +47,7 @@ Space = dict[str, list[Any]]
 
 OWNER, CANDIDATE, COUNTED = "owner", "candidate", "counted"
 FAILURE, REASON, REPEAT_OF, ERROR = "failure", "reason", "repeat_of", "rel_error"
+GPU = "gpu"  # UUID of the GPU a trial was timed on
 # A running trial of another host is presumed dead after this long.
 STALE_AFTER = dt.timedelta(hours=6)
 # A running trial without an owner (its worker died right after asking for it), after this long.

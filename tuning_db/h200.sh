@@ -11,14 +11,18 @@
 # (M = 1, 16), mxfp4_gemm prefill (M = 256 ... 4096), attention all (the whole suite: its space is
 # small enough to compile whole, and TPE picks 16 points of it). Kernels are compiled for sm_90a
 # into $TILELANG_CACHE_DIR; tuning resumes where it stopped (the Optuna journal beside $DB).
+# WORKERS=N tunes on N GPUs at once (worker i on cuda:i, one study per problem shared by all);
+# JOBS sets the compile processes (few are needed when the cache holds every kernel).
 set -euo pipefail
 
 DB=${DB:-$HOME/.cache/tileops/h200.sqlite}
+WORKERS=${WORKERS:-1}
+jobs_args=(); [[ -z ${JOBS:-} ]] || jobs_args=(--jobs "$JOBS")
 H200='{"kind": "cuda", "arch": "sm_90a", "device": "NVIDIA H200", "units": 132}'
 # (N, K) of the Llama-3-8B and -70B projections, shared by the GEMM and MXFP4 suites.
 NK="6144x4096 4096x4096 28672x4096 4096x14336 10240x8192 8192x8192 57344x8192 8192x28672"
 
-usage() { sed -n '2,14p' "$0"; exit 2; }
+usage() { sed -n '2,15p' "$0"; exit 2; }
 sampler=grid trials=64 space=
 
 case "${2:-}:${3:-}" in
@@ -62,7 +66,8 @@ case "${1:-}" in
       "${space_args[@]}" --sampler grid --dry-run --compile > /dev/null ;;
   tune)
     python3 -m tuner tune --op "$2" $(problems "$2") --dtype bfloat16 --device cuda \
-      "${space_args[@]}" --sampler "$sampler" --trials "$trials" --db "$DB" ;;
+      "${space_args[@]}" --sampler "$sampler" --trials "$trials" --db "$DB" \
+      --workers "$WORKERS" "${jobs_args[@]}" ;;
   export)
     python3 -m tuner db export tuning_db/h200.sqlite --db "$DB"
     python3 -m tuner db verify --db tuning_db/h200.sqlite ;;
