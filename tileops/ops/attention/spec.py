@@ -250,9 +250,9 @@ class AttentionSpec(OpSpec):
         sizes = sizes or {}
         Sq, Skv = sizes.get("seqlen_q", problem.seqlen_q), sizes.get("seqlen_kv", problem.seqlen_kv)
         B, Hq, Hkv, D = problem.batch, problem.heads_q, problem.heads_kv, problem.head_dim
-        gen = torch.Generator(device="cpu").manual_seed(seed)
+        gen = torch.Generator(device=device).manual_seed(seed)  # on the device: fast
         dtype = DTYPES[problem.dtype]
-        q, k, v = (torch.randn(B, S, H, D, generator=gen).to(device=device, dtype=dtype)
+        q, k, v = (torch.randn(B, S, H, D, generator=gen, device=device).to(dtype)
                    for S, H in ((Sq, Hq), (Skv, Hkv), (Skv, Hkv)))
         return (q, k, v, problem.causal)
 

@@ -183,13 +183,14 @@ class GemmSpec(OpSpec):
     def make_inputs(self, problem: GemmProblem, device: torch.device, seed: int = 0,
                     sizes: dict[str, int] | None = None) -> tuple:
         M = (sizes or {}).get("M", problem.M)
-        gen = torch.Generator(device="cpu").manual_seed(seed)
+        gen = torch.Generator(device=device).manual_seed(seed)  # on the device: fast
         dtype = DTYPES[problem.dtype]
-        a = torch.randn(M, problem.K, generator=gen).to(device=device, dtype=dtype)
-        if problem.layout == "nk":
-            b = torch.randn(problem.N, problem.K, generator=gen).to(device=device, dtype=dtype).t()
-        else:
-            b = torch.randn(problem.K, problem.N, generator=gen).to(device=device, dtype=dtype)
+
+        def randn(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen, device=device).to(dtype)
+
+        a = randn(M, problem.K)
+        b = randn(problem.N, problem.K).t() if problem.layout == "nk" else randn(problem.K, problem.N)
         return (a, b, DTYPES[problem.out_dtype])
 
     def reference(self, inputs: tuple) -> torch.Tensor:

@@ -194,9 +194,9 @@ class Mxfp4GemmSpec(OpSpec):
     def make_inputs(self, problem: Mxfp4Problem, device: torch.device, seed: int = 0,
                     sizes: dict[str, int] | None = None) -> tuple:
         M = (sizes or {}).get("M", problem.M)
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        a = torch.randn(M, problem.K, generator=gen).to(device=device, dtype=DTYPES[problem.dtype])
-        w = torch.randn(problem.N, problem.K, generator=gen).to(device)
+        gen = torch.Generator(device=device).manual_seed(seed)  # on the device: fast
+        a = torch.randn(M, problem.K, generator=gen, device=device).to(DTYPES[problem.dtype])
+        w = torch.randn(problem.N, problem.K, generator=gen, device=device)
         return (a, *quantize_mxfp4(w))
 
     def reference(self, inputs: tuple) -> torch.Tensor:
