@@ -46,7 +46,7 @@ def test_user_beats_shipped_and_exact_beats_nearest(tmp_path, use_dbs):
 
 
 def test_nearest_problem_of_same_target(tmp_path, use_dbs):
-    far, near = P._replace(M=1024), P._replace(M=64)
+    far, near = P._replace(M=1024), P._replace(M=32)
     user = write_db(tmp_path / "u.sqlite", [
         make_record(GEMM, CPU_T, far, CFG_SHIP),
         make_record(GEMM, CPU_T, near, CFG_USER),
@@ -56,6 +56,16 @@ def test_nearest_problem_of_same_target(tmp_path, use_dbs):
     c = choice()
     assert (c.source, c.exact, c.config) == ("user", False, CFG_USER)
     assert c.record.problem == make_record(GEMM, CPU_T, near, {})["problem"] or c.record
+
+
+def test_no_configuration_borrowed_from_another_regime(tmp_path, use_dbs):
+    # Decode tiles tuned at M = 16 must not serve a prefill GEMM: beyond `nearest_within` the
+    # default decides.
+    use_dbs(write_db(tmp_path / "u.sqlite", [make_record(GEMM, CPU_T, P._replace(M=P.M * 8),
+                                                         CFG_USER)]))
+    assert GEMM.distance(P, P._replace(M=P.M * 8)) > GEMM.nearest_within
+    c = choice()
+    assert (c.source, c.exact, c.config) == ("default", False, GEMM.default_config(P, CPU_T))
 
 
 def test_records_of_other_targets_are_never_served(tmp_path, use_dbs):

@@ -54,6 +54,10 @@ class OpSpec(abc.ABC):
     Problem: ClassVar[type]
     bucketed: ClassVar[tuple[str, ...]] = ()
     categorical: ClassVar[tuple[str, ...]] = ()  # problem fields that must match exactly
+    # A problem with no record of its own borrows the configuration of the nearest recorded one
+    # only within this `distance` (1.0: a factor of two in one size); further away the tiles
+    # were chosen for another regime (decode tiles for a prefill, say) and the default is safer.
+    nearest_within: ClassVar[float] = 1.0
     baseline_name: ClassVar[str]
     # Targets with no kernel, and why: a kind ("metal") or a kind and an arch prefix ("hip:gfx11",
     # where TileLang lowers for some archs of a kind and not others). Kinds with no table in

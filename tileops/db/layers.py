@@ -111,7 +111,7 @@ class Resolver:
         for layer, table in tables:
             for other, record in table.items():
                 d = spec.distance(problem, other)
-                if d is not None and (best is None or d < best[0]):
+                if d is not None and d <= spec.nearest_within and (best is None or d < best[0]):
                     best = (d, layer.label, record)
         if best is not None:
             config = json.loads(best[2].config)
