@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     suite = suites.load(args.suite, [args.dtype] if args.dtype else None)
     spec = get_spec(suite.op)
     space = {**spec.space(target), **json.loads(args.space or "{}")}
-    problems = pick(spec, suite.problems, args.problems)
+    problems = (suites.from_shapes(spec, args.shape, [args.dtype]) if args.shape
+                else pick(spec, suite.problems, args.problems))
     out_dir = Path(args.results_dir) if args.results_dir else ROOT / "results" / slug(target.device)
     out_dir.mkdir(parents=True, exist_ok=True)
     storage = studies.open_storage(args.storage or str(out_dir / "tuner_efficiency.journal"))
@@ -118,6 +119,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", help="dtype of the suite problems to use")
     p.add_argument("--problems", type=int, default=6,
                    help="problems taken from the suite, spread over its FLOP range (default 6)")
+    p.add_argument("--shape", action="append", metavar="TEXT",
+                   help="a problem in the operator's syntax, instead of --problems; repeatable "
+                        "(GEMMs of one N x K share their kernels across M, so a grid over six "
+                        "M values compiles once)")
     p.add_argument("--fraction", type=float, default=0.25,
                    help="random/TPE trial budget as a fraction of the grid's (default 0.25)")
     p.add_argument("--seeds", type=int, default=3, help="runs per sampler (default 3)")
