@@ -12,17 +12,19 @@
 # small enough to compile whole, and TPE picks 16 points of it). Kernels are compiled for sm_90a
 # into $TILELANG_CACHE_DIR; tuning resumes where it stopped (the Optuna journal beside $DB).
 # WORKERS=N tunes on N GPUs at once (worker i on cuda:i, one study per problem shared by all);
-# JOBS sets the compile processes (few are needed when the cache holds every kernel).
+# JOBS sets the compile processes (few are needed when the cache holds every kernel); DTYPE the
+# element type (default bfloat16; float16 records are separate ones).
 set -euo pipefail
 
 DB=${DB:-$HOME/.cache/tileops/h200.sqlite}
 WORKERS=${WORKERS:-1}
+DTYPE=${DTYPE:-bfloat16}
 jobs_args=(); [[ -z ${JOBS:-} ]] || jobs_args=(--jobs "$JOBS")
 H200='{"kind": "cuda", "arch": "sm_90a", "device": "NVIDIA H200", "units": 132}'
 # (N, K) of the Llama-3-8B and -70B projections, shared by the GEMM and MXFP4 suites.
 NK="6144x4096 4096x4096 28672x4096 4096x14336 10240x8192 8192x8192 57344x8192 8192x28672"
 
-usage() { sed -n '2,15p' "$0"; exit 2; }
+usage() { sed -n '2,16p' "$0"; exit 2; }
 sampler=grid trials=64 space=
 
 case "${2:-}:${3:-}" in
@@ -62,10 +64,10 @@ space_args=()
 # shellcheck disable=SC2046  # $(problems ...): one argument per word
 case "${1:-}" in
   compile)  # every point of the space (the grid), whatever the tuning sampler
-    python3 -m tuner tune --op "$2" $(problems "$2") --dtype bfloat16 --device "$H200" \
+    python3 -m tuner tune --op "$2" $(problems "$2") --dtype "$DTYPE" --device "$H200" \
       "${space_args[@]}" --sampler grid --dry-run --compile > /dev/null ;;
   tune)
-    python3 -m tuner tune --op "$2" $(problems "$2") --dtype bfloat16 --device cuda \
+    python3 -m tuner tune --op "$2" $(problems "$2") --dtype "$DTYPE" --device cuda \
       "${space_args[@]}" --sampler "$sampler" --trials "$trials" --db "$DB" \
       --workers "$WORKERS" "${jobs_args[@]}" ;;
   export)
