@@ -114,8 +114,10 @@ class GemmSpec(OpSpec):
     # ---- configuration --------------------------------------------------------------------------
     def default_config(self, problem: GemmProblem, target: Target) -> Config:
         M = problem.M
-        if target.kind == "cpu":
-            return {"block_M": min(M, 32) if M <= 32 else 32, "block_N": 32, "block_K": 64}
+        if target.kind == "cpu":  # the smallest row tile of the space that holds M (up to 32)
+            rows = [b for b in self.space(target)["block_M"] if b <= 32]
+            return {"block_M": min((b for b in rows if b >= M), default=max(rows)),
+                    "block_N": 32, "block_K": 64}
         if target.kind == "hip":  # 4 wavefronts, 32 KiB of LDS for two stages
             return {"block_M": 128, "block_N": 128, "block_K": 32, "num_stages": 2,
                     "threads": 256, "swizzle": 0, "k_pack": 1}
