@@ -27,7 +27,7 @@ def test_gemm_lowers_to_wgmma_on_sm90a(M, layout):
 def test_gemm_decode_variants_lower(swap_ab, split_k):
     problem = GEMM.Problem(16, 4096, 4096, "bfloat16", "nk", "bfloat16")
     config = dict(GEMM.default_config(problem, H200), swap_ab=swap_ab, split_k=split_k,
-                  block_M=16 if swap_ab else 64)
+                  block_M=16 if swap_ab else 64, block_K=128)
     assert GEMM.check_config(problem, config, H200) is None
     src = lower(GEMM.build(problem, config, H200), H200).kernel_source
     assert "wgmma" in src

@@ -1,8 +1,11 @@
 """MXFP4 weight GEMM tile programs: C[M, N] = A[M, K] @ dequantize(W, S)^T, fp32 accumulation.
 
-W is the packed (N, K/2) uint8 weight (element 2i in the low nibble), S its (N, K/32) E8M0
-scales (see format.py). M is dynamic; tiles past M, N or K are zero-filled by the copies (a zero
-code decodes to zero under any finite scale) or bounds-checked on the CPU.
+W is the packed weight read as (N, K/8) 32-bit words (int32: TileLang's C target takes no
+uint32), eight E2M1 codes each, element k of a word in bits 4k..4k+3: the (N, K/2) uint8 layout
+of format.py (element 2i in the low nibble of byte i) on a little-endian machine. S holds the
+(N, K/32) E8M0 scales. Whole words let a thread decode eight consecutive elements from one load
+and store them as one 16-byte vector. M is dynamic; tiles past M, N or K are zero-filled by the
+copies (a zero code decodes to zero under any finite scale) or bounds-checked on the CPU.
 
 Where the weight is decoded is a configuration knob (`dequant`):
   "bits": inside the GEMM, one tile at a time, straight into the shared-memory operand tile the
@@ -31,9 +34,9 @@ from ..cpu_tiles import accumulate, stage, store, zero
 from .format import BLOCK, E2M1_VALUES
 
 
-def _nibble(byte, k):
-    """The E2M1 code of element k from the byte holding elements k & ~1 and k | 1."""
-    return T.bitwise_and(T.shift_right(T.cast(byte, "uint32"), T.cast(k % 2, "uint32") * 4),
+def _nibble(word, k):
+    """The E2M1 code of element k from the word holding elements k & ~7 ... k | 7."""
+    return T.bitwise_and(T.shift_right(T.cast(word, "uint32"), T.cast(k % 8, "uint32") * 4),
                          T.uint32(15))
 
 
@@ -81,7 +84,7 @@ def gpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block
         tiles = gpu_tiles.matmul(M, N, K, dtype, True, **tile)
 
         @T.prim_func
-        def mxfp4_gemm_global(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K // 2), "uint8"),
+        def mxfp4_gemm_global(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K // 8), "int32"),
                               S: T.Tensor((N, K // BLOCK), "uint8"), C: T.Tensor((M, N), dtype),
                               dequantized: T.Tensor((N, K), dtype)):
             _dequantize(W, S, dequantized, N, K, dtype)
@@ -98,12 +101,18 @@ def gpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block
         with T.Kernel(T.ceildiv(N, block_N), T.ceildiv(M, block_M), split_k,
                       threads=threads) as (bx, by, bz):
             A_s = T.alloc_shared((block_M, block_K), dtype)
-            W_s = T.alloc_shared((block_N, block_K // 2), "uint8")
+            W_s = T.alloc_shared((block_N, block_K // 8), "int32")
             S_s = T.alloc_shared((block_N, block_K // BLOCK), "uint8")
             # "reg": the decoded tile stays in the registers of the threads that feed it to the
             # matrix units as their A operand (wgmma's register-sourced form; swap_ab only).
             B_s = (T.alloc_fragment if reg else T.alloc_shared)((block_N, block_K), dtype)
             table = T.alloc_shared((16,), ACCUM)
+            # The packed words and scales of a step move to registers first (16-byte loads),
+            # which frees their shared-memory stage before decoding and keeps the decode loop's
+            # only shared access its store: no barrier inside it. ("reg" reads them in place:
+            # its threads would each need four rows' words, registers it lacks.)
+            W_f = W_s if reg else T.alloc_fragment((block_N, block_K // 8), "int32")
+            S_f = S_s if reg else T.alloc_fragment((block_N, block_K // BLOCK), "uint8")
             C_f = gpu_tiles.accumulator(block_M, block_N, swap_ab)
             if lut:
                 for c in T.Parallel(16):
@@ -114,28 +123,31 @@ def gpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block
             for k in T.Pipelined(k_steps, num_stages=num_stages):
                 ko = bz * k_steps + k
                 T.copy(A[by * block_M, ko * block_K], A_s)
-                T.copy(W[bx * block_N, ko * (block_K // 2)], W_s)
+                T.copy(W[bx * block_N, ko * (block_K // 8)], W_s)
                 T.copy(S[bx * block_N, ko * (block_K // BLOCK)], S_s)
-                # Element by element: TileLang vectorises the pairs that share a byte (and nvcc
-                # their common loads and scale); a loop over bytes writing two elements gets a
-                # barrier per iteration instead.
+                # Element by element: TileLang gives each thread the eight elements of a word
+                # and stores them as one 16-byte vector; a loop over words writing eight elements
+                # gets a barrier per iteration instead.
+                if not reg:
+                    T.copy(W_s, W_f)
+                    T.copy(S_s, S_f)
                 for n, kk in T.Parallel(block_N, block_K):
-                    code = _nibble(W_s[n, kk // 2], kk)
+                    code = _nibble(W_f[n, kk // 8], kk)
                     value = table[code] if lut else _code_value_bits(code)
-                    B_s[n, kk] = T.cast(value * _scale(S_s[n, kk // BLOCK]), dtype)
+                    B_s[n, kk] = T.cast(value * _scale(S_f[n, kk // BLOCK]), dtype)
                 gpu_tiles.mma(A_s, B_s, C_f, swap_ab, True, annotations)
             gpu_tiles.store(C_f, C, partials, by * block_M, bx * block_N, bz, swap_ab, partial)
 
     if not partial:
         @T.prim_func
-        def mxfp4_gemm(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K // 2), "uint8"),
+        def mxfp4_gemm(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K // 8), "int32"),
                        S: T.Tensor((N, K // BLOCK), "uint8"), C: T.Tensor((M, N), dtype)):
             tiles_fused(A, W, S, C, C)
 
         return mxfp4_gemm
 
     @T.prim_func
-    def mxfp4_gemm_split_k(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K // 2), "uint8"),
+    def mxfp4_gemm_split_k(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K // 8), "int32"),
                            S: T.Tensor((N, K // BLOCK), "uint8"), C: T.Tensor((M, N), dtype),
                            partials: T.Tensor((split_k, M, N), ACCUM)):
         tiles_fused(A, W, S, C, partials)
@@ -144,23 +156,19 @@ def gpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block
     return mxfp4_gemm_split_k
 
 
-DEQUANT_ROWS, DEQUANT_BYTES = 16, 256  # weight rows x packed bytes per CTA of `_dequantize`
+DEQUANT_ROWS, DEQUANT_COLS = 16, 512  # weight rows x elements per CTA of `_dequantize`
 
 
 @T.macro
 def _dequantize(W, S, out, n_rows, k, dtype):
-    """out (n_rows, k) = the decoded weight, one byte (two elements) per thread and step."""
-    with T.Kernel(T.ceildiv(n_rows, DEQUANT_ROWS), T.ceildiv(k // 2, DEQUANT_BYTES),
+    """out (n_rows, k) = the decoded weight; each thread decodes the eight elements of a word."""
+    with T.Kernel(T.ceildiv(n_rows, DEQUANT_ROWS), T.ceildiv(k, DEQUANT_COLS),
                   threads=256) as (bx, by):
-        for r, b in T.Parallel(DEQUANT_ROWS, DEQUANT_BYTES):
-            row, col = bx * DEQUANT_ROWS + r, by * DEQUANT_BYTES + b
-            if row < n_rows and col < k // 2:
-                byte = T.cast(W[row, col], "uint32")
-                scale = _scale(S[row, col * 2 // BLOCK])
-                out[row, 2 * col] = T.cast(
-                    _code_value_bits(T.bitwise_and(byte, T.uint32(15))) * scale, dtype)
-                out[row, 2 * col + 1] = T.cast(
-                    _code_value_bits(T.shift_right(byte, T.uint32(4))) * scale, dtype)
+        for r, c in T.Parallel(DEQUANT_ROWS, DEQUANT_COLS):
+            row, col = bx * DEQUANT_ROWS + r, by * DEQUANT_COLS + c
+            if row < n_rows and col < k:
+                out[row, col] = T.cast(_code_value_bits(_nibble(W[row, col // 8], col))
+                                       * _scale(S[row, col // BLOCK]), dtype)
 
 
 def cpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block_K: int,
@@ -171,7 +179,7 @@ def cpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block
     lut = dequant == "lut"
 
     @TC.prim_func
-    def mxfp4_gemm(A: TC.Tensor((M, K), bits(dtype)), W: TC.Tensor((N, K // 2), "uint8"),
+    def mxfp4_gemm(A: TC.Tensor((M, K), bits(dtype)), W: TC.Tensor((N, K // 8), "int32"),
                    S: TC.Tensor((N, K // BLOCK), "uint8"), C: TC.Tensor((M, N), bits(dtype))):
         with TC.Kernel(TC.ceildiv(N, block_N), TC.ceildiv(M, block_M)) as (bx, by):
             a = TC.alloc_local((block_M, block_K), ACCUM)
@@ -187,7 +195,7 @@ def cpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block
                 for kk, j in TC.grid(block_K, block_N):
                     n, k = bx * block_N + j, ko * block_K + kk
                     if n < N and k < K:
-                        code = _nibble(W[n, k // 2], k)
+                        code = _nibble(W[n, k // 8], k)
                         value = table[code] if lut else _code_value_bits(code)
                         b[kk, j] = value * _scale(S[n, k // BLOCK])
                     else:

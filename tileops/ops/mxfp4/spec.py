@@ -156,6 +156,8 @@ class Mxfp4GemmSpec(OpSpec):
                     return "dequant 'reg' feeds the weight as the A operand: swap_ab only"
                 if bn * bk * esize // 4 // threads > 128:
                     return f"{bn * bk * esize // 4 // threads} registers per thread of decoded tile"
+            elif bn * bk // 8 // threads > 64:  # a step's packed words, held in registers
+                return f"{bn * bk // 8 // threads} packed words per thread (> 64 registers)"
         limit = smem_limit(target.arch)
         if smem > limit:
             return f"shared memory {smem // 1024} KiB > {limit // 1024} KiB"
@@ -183,7 +185,7 @@ class Mxfp4GemmSpec(OpSpec):
     def launch(self, kernel, args: tuple, out: torch.Tensor | None = None) -> torch.Tensor:
         a, w = args
         c = out if out is not None else a.new_empty((a.shape[0], w.fp4.shape[0]))
-        kernel(a, w.fp4, w.scale, c)
+        kernel(a, w.fp4.view(torch.int32), w.scale, c)  # the kernels read words (kernels.py)
         return c
 
     def launch_baseline(self, args: tuple) -> torch.Tensor:
