@@ -36,19 +36,21 @@ def compile_kernel(spec: OpSpec, problem: tuple, config: Config, target: Target)
         with _lock:
             kernel = _kernels.get(key)
             if kernel is None:
-                kernel = spec.adapt(_compile(spec.build(problem, config, target), target),
-                                    target)
+                func = spec.build(problem, config, target)
+                kernel = spec.adapt(_compile(func, target, spec.fast_math), target)
                 _kernels[key] = kernel
     return kernel
 
 
-def _compile(func: Any, target: Target) -> Any:
+def _compile(func: Any, target: Target, fast_math: bool = False) -> Any:
     import tilelang
 
     if target.kind == "cpu":
         # TileLang's C target compiles without optimisation by default (about 15x slower).
         return tilelang.compile(func, target="c", compile_flags=["-O3"])
-    return tilelang.compile(func, target=target.tilelang())
+    configs = ({tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+               if fast_math and target.kind == "cuda" else None)
+    return tilelang.compile(func, target=target.tilelang(), pass_configs=configs)
 
 
 def lower(func: Any, target: Target, device_compile: bool = False) -> Any:

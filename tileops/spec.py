@@ -170,6 +170,13 @@ class OpSpec(abc.ABC):
 
     kernel_module: ClassVar[str]  # dotted module holding the tile programs
 
+    @property
+    def fast_math(self) -> bool:
+        """Whether the kernels compile with fast math (CUDA: exp2 as one `ex2.approx`, division
+        approximate), as the kernel module's `FAST_MATH` says: a choice of the kernels' code,
+        so it lives there and the kernel hash covers it."""
+        return bool(getattr(importlib.import_module(type(self).kernel_module), "FAST_MATH", False))
+
     # ---- inputs, reference, roofline ------------------------------------------------------------
     @abc.abstractmethod
     def make_inputs(self, problem: tuple, device: torch.device, seed: int = 0,
