@@ -36,6 +36,16 @@ def _kv_blocks(q_start, block_M: int, block_N: int, seqlen_q, seqlen_kv, causal:
     return T.max(T.min(total, T.ceildiv(T.max(last, 0), block_N)), 0)
 
 
+def _full_blocks(q_start, block_N: int, seqlen_q, seqlen_kv, causal: bool):
+    """How many leading KV blocks every query of the block starting at `q_start` sees whole:
+    those need no mask."""
+    whole = seqlen_kv // block_N
+    if not causal:
+        return whole
+    # The first query sees keys up to q_start + seqlen_kv - seqlen_q.
+    return T.max(T.min(whole, (q_start + seqlen_kv - seqlen_q + 1) // block_N), 0)
+
+
 def _visible(query, key, seqlen_q, seqlen_kv, causal: bool):
     if causal:
         return T.And(key < seqlen_kv, key <= query + seqlen_kv - seqlen_q)
@@ -98,6 +108,7 @@ def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
             T.fill(l, 0)
             T.fill(m, neg_inf)
             n_blocks = _kv_blocks(q0, block_M, block_N, seqlen_q, seqlen_kv, causal)
+            n_full = _full_blocks(q0, block_N, seqlen_q, seqlen_kv, causal)
             if causal:
                 # A query block that sees no key (seqlen_q > seqlen_kv) still runs one, fully
                 # masked, KV block: with an empty pipelined loop, rows of such blocks came out as
@@ -106,13 +117,17 @@ def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
             for kb in T.Pipelined(n_blocks, **(_OVERLAP if overlap else
                                                {"num_stages": num_stages})):
                 T.copy(K[b, kb * block_N:(kb + 1) * block_N, kv_head, :], K_s)
-                # The mask is the product's initial value (0, or -inf where the key is hidden)
-                # and the scale goes into the exponent's multiply-add: no pass over the scores
-                # between Q K^T and the softmax. The row maxima are of unscaled scores.
-                for i, j in T.Parallel(block_M, block_N):
-                    S[i, j] = T.if_then_else(
-                        _visible(q0 + i, kb * block_N + j, seqlen_q, seqlen_kv, causal),
-                        0, neg_inf)
+                # The mask is the product's initial value (0, or -inf where the key is hidden;
+                # blocks every query sees whole skip it) and the scale goes into the exponent's
+                # multiply-add: no pass over the scores between Q K^T and the softmax. The row
+                # maxima are of unscaled scores.
+                if kb < n_full:
+                    T.fill(S, 0)
+                else:
+                    for i, j in T.Parallel(block_M, block_N):
+                        S[i, j] = T.if_then_else(
+                            _visible(q0 + i, kb * block_N + j, seqlen_q, seqlen_kv, causal),
+                            0, neg_inf)
                 T.gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
                        annotations=annotations)
                 T.copy(m, m_prev)
