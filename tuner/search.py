@@ -72,13 +72,18 @@ class SearchReport:
 
 
 def search(session: Session, study: optuna.Study, task: Task, limits: Limits,
-           progress: Progress, batch: int, seed: int = 0) -> SearchReport:
+           progress: Progress, batch: int, seed: int = 0, time_baseline: bool = True
+           ) -> SearchReport:
+    """Ask, compile and measure trials of one study until a limit stops it. `time_baseline`:
+    time the operator's baseline first (for the progress line and the report; one of several
+    workers sharing a study is enough)."""
     started = time.monotonic()
     studies.reap_interrupted(study, task.space)
     ledger = studies.read_ledger(study)
     first_count, repeats = ledger.counted, 0
     stopped = _stop_reason(ledger, task, limits, started, repeats)
-    baseline = session.measure(task.job(None), seed) if stopped is None else None
+    baseline = (session.measure(task.job(None), seed)
+                if time_baseline and stopped is None else None)
     progress.begin(task.label, limits.trials, ledger, baseline)
     while stopped is None:
         remaining = limits.trials - ledger.counted - ledger.running

@@ -213,6 +213,7 @@ def _worker(plan: Plan, index: int, jobs: int) -> None:
             for problem in plan.problems:
                 task = plan.task(problem, device)
                 study = _open(plan, storage, task, stream=index + 1)
-                search(session, study, task, plan.limits(), progress, jobs, plan.seed)
+                search(session, study, task, plan.limits(), progress, jobs, plan.seed,
+                       time_baseline=index == 0)  # the parent re-times it with the winners
     except KeyboardInterrupt:
         raise SystemExit(130) from None
