@@ -30,6 +30,17 @@ def test_matches_float64_reference_through_dispatch(M, N, K, dtype):
     assert torch.equal(ref, MXFP4_GEMM.reference((a, w_fp4, w_scale)))
 
 
+def test_weight_at_an_odd_address():
+    # The kernels read the packed weight as 32-bit words: a weight view starting at an odd byte
+    # is copied to an aligned buffer, not misread.
+    a, w_fp4, w_scale = inputs(3, 8, 64)
+    buffer = torch.empty(w_fp4.numel() + 1, dtype=torch.uint8)
+    shifted = buffer[1:].view(w_fp4.shape)
+    shifted.copy_(w_fp4)
+    assert shifted.data_ptr() % 4 and shifted.is_contiguous()
+    assert torch.equal(tileops.mxfp4_gemm(a, shifted, w_scale), tileops.mxfp4_gemm(a, w_fp4, w_scale))
+
+
 @pytest.mark.parametrize("dequant", ["bits", "lut"])
 def test_every_element_written_after_nan_poisoning(dequant):
     # Tiles that divide none of M, N, K (K = 96 with block_K = 64: a partial scale block tile).

@@ -74,6 +74,8 @@ class Mxfp4GemmSpec(OpSpec):
             a = a.contiguous()
         if not (w_fp4.is_contiguous() and w_scale.is_contiguous()):
             w_fp4, w_scale = w_fp4.contiguous(), w_scale.contiguous()
+        if w_fp4.data_ptr() % 16:  # the kernels read 32-bit words (and GPUs load 16-byte rows)
+            w_fp4 = w_fp4.clone()
         problem = Mxfp4Problem(1 << (M - 1).bit_length(), N, K, dtype_name(a.dtype))
         return Call(a.device, problem, (a, PackedWeight(w_fp4, w_scale)))
 
