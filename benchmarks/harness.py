@@ -30,7 +30,7 @@ from tileops.spec import OpSpec
 from tileops.target import Target, resolve_device
 from tuner import suites
 from tuner.evaluate import Job, relative_error
-from tuner.session import Session
+from tuner.session import compile_all
 from tuner.timing import Timer
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -90,10 +90,7 @@ def precompile(spec: OpSpec, problems: list[tuple], target: Target, device: torc
     if jobs < 1 or not todo:
         return
     print(f"compiling {len(todo)} kernels on {jobs} processes", flush=True)
-    with Session(str(device), jobs, trial_timeout=600) as session:
-        for job, outcome in zip(todo, session.compile(todo), strict=True):
-            if outcome.error is not None:
-                print(f"  {spec.problem_label(job.problem)}: {outcome.error}", flush=True)
+    compile_all(todo, jobs, 600, lambda line: print(line, flush=True), device=str(device))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,7 +39,7 @@ from .dispatch_check import check_dispatch
 from .errors import UsageError
 from .evaluate import Job
 from .progress import Progress, table
-from .session import Session
+from .session import compile_all
 
 log = logging.getLogger("tuner")
 
@@ -167,18 +167,7 @@ def precompile(plan: sweep.Plan, progress: Progress) -> int:
     cache = os.environ.get("TILELANG_CACHE_DIR", "TileLang's default cache")
     progress.note(f"compiling {len(jobs)} kernels for {plan.target.describe()} on {plan.jobs} "
                   f"processes into {cache}")
-    failed = 0
-    with Session("cpu", plan.jobs, plan.trial_timeout) as session:
-        chunk = 4 * plan.jobs  # report progress every few kernels per process
-        for start in range(0, len(jobs), chunk):
-            part = jobs[start:start + chunk]
-            for job, outcome in zip(part, session.compile(part), strict=True):
-                if outcome.error is not None:
-                    failed += 1
-                    progress.note(f"  {plan.spec.problem_label(job.problem)} "
-                                  f"{canonical(job.config)}: {outcome.error}")
-            progress.note(f"compiled {start + len(part)} of {len(jobs)} ({failed} failed)")
-    return 1 if failed else 0
+    return 1 if compile_all(jobs, plan.jobs, plan.trial_timeout, progress.note) else 0
 
 
 def _lowering(plan: sweep.Plan, problem: tuple, config: dict[str, Any]) -> str:

@@ -8,6 +8,9 @@ the single child that owns the device, so timings never overlap.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+
+from tileops.db.storage import canonical
 
 from .child import Child, ChildError, Outcome, run_parallel
 from .evaluate import Job, Measurement, compile_job, measure, ready, retime
@@ -81,3 +84,21 @@ def _compile_env(device: str) -> dict[str, str]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = [v.strip() for v in visible.split(",")] if visible else []
     return {"CUDA_VISIBLE_DEVICES": ids[int(index)] if int(index) < len(ids) else index}
+
+
+def compile_all(jobs: list[Job], processes: int, timeout: float, note: Callable[[str], None],
+                device: str = "cpu") -> int:
+    """Compile `jobs` into TileLang's disk cache on `processes` children, noting each failure and
+    the progress every few kernels per process; how many failed."""
+    failed = 0
+    with Session(device, processes, timeout) as session:
+        chunk = 4 * processes
+        for start in range(0, len(jobs), chunk):
+            part = jobs[start:start + chunk]
+            for job, outcome in zip(part, session.compile(part), strict=True):
+                if outcome.error is not None:
+                    failed += 1
+                    note(f"  {job.spec.problem_label(job.problem)} {canonical(job.config)}: "
+                         f"{outcome.error}")
+            note(f"compiled {start + len(part)} of {len(jobs)} ({failed} failed)")
+    return failed
