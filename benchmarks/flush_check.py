@@ -21,7 +21,7 @@ from harness import RESULTS, device_dir, versions
 from tileops.dispatch import DISPATCHER, compile_kernel
 from tileops.ops.gemm import GEMM
 from tileops.target import resolve_device
-from tuner.timing import Timer
+from tuner.timing import FLUSH_MODES, Timer
 
 SHAPES = [(16, 4096, 4096), (16, 6144, 4096), (16, 8192, 8192), (16, 28672, 4096)]
 
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     target, device = resolve_device("cuda")
-    timers = {mode: Timer(device, flush=mode) for mode in ("dirty", "clean", "none")}
+    timers = {mode: Timer(device, flush=mode) for mode in FLUSH_MODES}
     cases = []
     for M, N, K in SHAPES:
         problem = GEMM.parse_problem(f"{M}x{N}x{K}", "bfloat16")

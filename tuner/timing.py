@@ -24,6 +24,7 @@ import torch
 # Seconds of timed launches per measurement, and bounds on the repeat count.
 BUDGET_S = {"gpu": 0.15, "host": 0.25}
 REPEATS = {"gpu": (20, 400), "host": (5, 100)}
+FLUSH_MODES = ("clean", "dirty", "none")  # what happens to the L2 before each timed launch
 # Seconds of untimed launches first (at least 3), so that clocks, caches and libraries settle.
 WARMUP_S = {"gpu": 0.03, "host": 0.01}
 
@@ -51,8 +52,8 @@ class Timer:
 
     def __init__(self, device: torch.device, budget_s: float | None = None,
                  flush: str = "clean"):
-        if flush not in ("clean", "dirty", "none"):
-            raise ValueError(f"flush must be 'clean', 'dirty' or 'none', not {flush!r}")
+        if flush not in FLUSH_MODES:
+            raise ValueError(f"flush must be one of {', '.join(FLUSH_MODES)}, not {flush!r}")
         self.device = device
         self.flush_mode = flush
         self.gpu = device.type == "cuda"
