@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import signal
 import subprocess
@@ -92,6 +93,9 @@ def test_interrupted_and_killed_sweeps_resume(tmp_path, monkeypatch):
     with TuningDB(db) as tdb:
         assert tdb.records() == []  # nothing recorded before the search finished
     left_running = [t.number for t in trials(db) if t.state == TrialState.RUNNING]
+    # A kill between asking for a trial and writing its owner leaves a trial no one owns, reaped
+    # after ORPHAN_AFTER (another host's worker may be in that window); this is the only worker.
+    monkeypatch.setattr(studies, "ORPHAN_AFTER", dt.timedelta(0))
     # The same command again finishes the budget, each configuration evaluated once.
     assert tune_main(command(db, *extra)) == 0
     after = {t.number: t for t in trials(db)}
@@ -132,3 +136,24 @@ def test_two_workers_share_one_storage(tmp_path, monkeypatch):
     with TuningDB(db) as tdb:
         (record,) = tdb.records("gemm")
     assert record.trials == len(done)
+
+
+def test_reaper_fails_only_trials_whose_worker_is_gone(monkeypatch):
+    study = optuna.create_study()
+    space = {"block_M": [16, 64]}
+    dead = study.ask()  # a worker killed right after asking: no owner yet
+    mine, _ = studies.ask(study, space)  # owned by a live process (this one is "live" below)
+    monkeypatch.setattr(studies, "owner_id", lambda: "elsewhere:1")
+    remote, _ = studies.ask(study, space)  # another host's worker: may be alive
+    monkeypatch.setattr(studies, "_pid_alive", lambda pid: True)
+    assert studies.reap_interrupted(study, space) == 0  # an owner-less trial is young
+    monkeypatch.setattr(studies, "ORPHAN_AFTER", dt.timedelta(0))
+    assert studies.reap_interrupted(study, space) == 1
+    states = {t.number: (t.state, t.user_attrs.get(studies.REASON)) for t in study.trials}
+    assert states[dead.number] == (TrialState.FAIL, "interrupted")
+    assert states[mine.number][0] == states[remote.number][0] == TrialState.RUNNING
+    monkeypatch.setattr(studies, "_pid_alive", lambda pid: False)  # this worker dies
+    assert studies.reap_interrupted(study, space) == 1
+    requeued = study.get_trials(states=(TrialState.WAITING,))
+    # Its configuration is asked again.
+    assert [t.system_attrs["fixed_params"] for t in requeued] == [mine.params]
