@@ -73,3 +73,17 @@ def test_first_point_of_each_space_lowers(target, marker):
     problem = MXFP4_GEMM.Problem(64, 4096, 4096, "bfloat16")
     config = next(MXFP4_GEMM.configs(problem, target))
     assert marker in lower(MXFP4_GEMM.build(problem, config, target), target).kernel_source
+
+
+def test_bf16x2_decode_calls_the_integer_decoder_between_barriers():
+    src = source(16, 4096, 4096, dequant="bf16x2")
+    assert "wgmma" in src and "tileops_e2m1x8_bf16(" in src
+    loop = src[src.index("tileops_e2m1x8_bf16(", src.index("__global__")):]
+    # the consumers' barrier sits between the decode and the matrix units reading the tile
+    assert loop.index("__sync_thread_partial") < loop.index("wgmma")
+
+
+def test_bf16x2_decode_is_bf16_and_cuda_only():
+    fp16 = MXFP4_GEMM.parse_problem("16x4096x4096", "float16")
+    config = {**MXFP4_GEMM.default_config(fp16, H200), "dequant": "bf16x2"}
+    assert "bf16" in MXFP4_GEMM.check_config(fp16, config, H200)

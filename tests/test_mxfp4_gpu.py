@@ -47,7 +47,7 @@ def test_quantize_on_cuda_matches_cpu():
 @pytest.mark.parametrize(("M", "block_M", "swap_ab", "dequant"), [
     (M, block_M, swap_ab, dequant)
     for M, block_M, swap_ab in [(1, 16, 1), (13, 32, 1), (13, 16, 0), (129, 64, 0)]
-    for dequant in ["bits", "lut", "reg", "global"]
+    for dequant in ["bits", "lut", "reg", "bf16x2", "global"]
     if swap_ab or dequant != "reg"  # "reg" decodes the A operand: swapped tiles only
 ])
 def test_every_element_written_cuda(M, block_M, swap_ab, dequant):
@@ -96,3 +96,24 @@ def test_cuda_errors():
         tileops.mxfp4_gemm(torch.randn(4, 128, dtype=torch.bfloat16), w_fp4, w_scale)
     with pytest.raises(TypeError, match="float32"):
         tileops.mxfp4_gemm(torch.randn(4, 128, device="cuda"), w_fp4, w_scale)
+
+
+@pytest.mark.parametrize("dequant", ["bits", "lut", "reg", "bf16x2"])
+def test_every_code_under_every_scale_decodes_exactly_cuda(dequant):
+    """Row n of the weight holds the 16 codes under scale n (0: 2^-127, 255: NaN); one-hot rows
+    of A pick single columns, so the product is the decoded weight itself, bit for bit."""
+    target = target_of(CUDA)
+    N, K = 256, 64
+    codes = torch.arange(16, dtype=torch.uint8, device="cuda").repeat(N, K // 16)
+    w_fp4 = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    w_scale = torch.arange(N, dtype=torch.uint8, device="cuda").unsqueeze(1).repeat(1, K // 32)
+    a = torch.eye(16, K, device="cuda", dtype=torch.bfloat16)
+    problem = MXFP4_GEMM.parse_problem(f"16x{N}x{K}", "bfloat16")
+    config = {**MXFP4_GEMM.default_config(problem, target), "dequant": dequant, "split_k": 1,
+              "block_K": 64}
+    kernel = dispatch.compile_kernel(MXFP4_GEMM, problem, config, target)
+    out = MXFP4_GEMM.launch(kernel, MXFP4_GEMM.prepare(a, w_fp4, w_scale).args)
+    want = tileops.dequantize_mxfp4(w_fp4, w_scale, torch.bfloat16)[:, :16].t()
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(out), nan)
+    assert torch.equal(out[~nan].view(torch.int16), want[~nan].view(torch.int16))

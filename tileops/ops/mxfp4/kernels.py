@@ -15,6 +15,9 @@ Where the weight is decoded is a configuration knob (`dequant`):
   "reg":  as "bits", but each thread decodes into its registers exactly the elements it feeds
           to wgmma as the A operand (with swap_ab the weight is that operand): no decoded tile
           is written to shared memory and read back;
+  "bf16x2": (CUDA, bf16) as "bits", but each word becomes four bf16 pairs in integer registers
+          (`BF16X2_SOURCE`): about 3 instructions per element where the fp32 route takes 12, the
+          budget that reading 4.25-bit weights at HBM speed leaves an SM being about 7;
   "global": a first kernel decodes the whole weight into a (N, K) workspace of the activation
           dtype and the GEMM tile loop (`gpu_tiles.matmul`) reads that. At large M every weight
           tile is used by M / block_M CTAs, so decoding it once beats decoding it in every CTA;
@@ -67,13 +70,59 @@ def _scale(e8m0):
     return T.reinterpret(bits_, "float32")
 
 
+# E2M1 x 8 -> bf16 x 8, times the block scale, in integer registers. For byte j of the word
+# (elements 2j, 2j+1): one multiply places two copies of the byte, at bits 6 and 18, so that each
+# element's exponent-and-mantissa bits land where a bf16 keeps its lowest exponent bits and top
+# mantissa bit (bits 6..8 and 22..24), and its sign bit six places below the bf16 sign (bits 9
+# and 25: one shift of 6 for both). Read as bf16 the pair is the E2M1 value times 2^-126 (code
+# 1, 0.5, comes out as the subnormal 2^-127), so one packed multiply by 2^126 makes it exact and
+# a second applies the scale 2^(e - 127): the one rounding the fp32 route's cast also does.
+# E8M0 255 is NaN, 0 is 2^-127 (a bf16 subnormal).
+BF16X2_DECODE = "tileops_e2m1x8_bf16"
+BF16X2_SOURCE = r"""
+#include <cuda_bf16.h>
+#include <cstring>
+__host__ __device__ __forceinline__ void tileops_e2m1x8_bf16(unsigned int w, unsigned int e,
+                                                            void* out) {
+  unsigned int s = e == 0u ? 0x0040u : (e == 255u ? 0x7FC0u : e << 7);
+  unsigned int s2 = s | (s << 16), k = 0x7E807E80u;  // the scale, 2^126: bf16 pairs
+  unsigned int pairs[4];
+  __nv_bfloat162 scale, two126;
+  memcpy(&scale, &s2, 4);
+  memcpy(&two126, &k, 4);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+#ifdef __CUDA_ARCH__
+    unsigned int t = __byte_perm(w, 0u, 0x4440u | j) * 0x00040040u;  // byte j alone
+#else
+    unsigned int t = ((w >> (8 * j)) & 0xFFu) * 0x00040040u;
+#endif
+    unsigned int r = (t & 0x01C001C0u) | ((t << 6) & 0x80008000u);
+    __nv_bfloat162 x;
+    memcpy(&x, &r, 4);
+    x = __hmul2(__hmul2(x, two126), scale);
+    memcpy(&r, &x, 4);
+    pairs[j] = r;
+  }
+#ifdef __CUDA_ARCH__  // one 16-byte store (nvcc splits a uint4 store through this pointer)
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::
+               "r"(static_cast<unsigned int>(__cvta_generic_to_shared(out))),
+               "r"(pairs[0]), "r"(pairs[1]), "r"(pairs[2]), "r"(pairs[3]) : "memory");
+#else
+  memcpy(out, pairs, 16);
+#endif
+}
+"""
+
+
 def gpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block_K: int,
                 num_stages: int, threads: int, dequant: str, split_k: int = 1,
-                swap_ab: int = 0, swizzle: int = 0, k_pack: int = 1):
+                swap_ab: int = 0, swizzle: int = 0, k_pack: int = 1, scales_once: bool = True):
     """The GPU tile program: wgmma on sm_90a, mma on older CUDA (see the module docstring for
     `dequant`). `swap_ab` and `split_k` are the decode knobs of `gpu_tiles`; with `split_k` > 1
     the program takes its fp32 workspace (split_k, M, N) after C, and with "global" its
-    dequantised weight (N, K) last. `k_pack` packs K for AMD's MFMA (the hip space varies it)."""
+    dequantised weight (N, K) last. `k_pack` packs K for AMD's MFMA (the hip space varies it).
+    `scales_once`: load the scales of every K step before the loop (else one step's per step)."""
     M = T.dynamic("m")
     tile = {"block_M": block_M, "block_N": block_N, "block_K": block_K,
             "num_stages": num_stages, "threads": threads, "swizzle": swizzle,
@@ -92,7 +141,9 @@ def gpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block
 
         return mxfp4_gemm_global
 
-    lut, reg = dequant == "lut", dequant == "reg"
+    lut, reg, bf16x2 = dequant == "lut", dequant == "reg", dequant == "bf16x2"
+    words = block_N * block_K // 8  # packed words of a weight tile
+    per_step = block_K // BLOCK  # scales per weight row and K step
     k_steps = -(-K // block_K) // split_k  # check_config: split_k divides the K steps
     partial = split_k > 1
 
@@ -102,7 +153,10 @@ def gpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block
                       threads=threads) as (bx, by, bz):
             A_s = T.alloc_shared((block_M, block_K), dtype)
             W_s = T.alloc_shared((block_N, block_K // 8), "int32")
-            S_s = T.alloc_shared((block_N, block_K // BLOCK), "uint8")
+            # The scales of every step, loaded once: a step's block_N x block_K/32 bytes are too
+            # narrow a box for TMA, and copied per step they were a synchronous global load in
+            # the consumer's loop, a DRAM round trip per K step.
+            S_s = T.alloc_shared((block_N, (k_steps if scales_once else 1) * per_step), "uint8")
             # "reg": the decoded tile stays in the registers of the threads that feed it to the
             # matrix units as their A operand (wgmma's register-sourced form; swap_ab only).
             B_s = (T.alloc_fragment if reg else T.alloc_shared)((block_N, block_K), dtype)
@@ -111,8 +165,9 @@ def gpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block
             # which frees their shared-memory stage before decoding and keeps the decode loop's
             # only shared access its store: no barrier inside it. ("reg" reads them in place:
             # its threads would each need four rows' words, registers it lacks.)
-            W_f = W_s if reg else T.alloc_fragment((block_N, block_K // 8), "int32")
-            S_f = S_s if reg else T.alloc_fragment((block_N, block_K // BLOCK), "uint8")
+            in_place = reg or bf16x2
+            W_f = W_s if in_place else T.alloc_fragment((block_N, block_K // 8), "int32")
+            S_f = None if in_place else T.alloc_fragment((block_N, per_step), "uint8")
             C_f = gpu_tiles.accumulator(block_M, block_N, swap_ab)
             if lut:
                 for c in T.Parallel(16):
@@ -120,21 +175,41 @@ def gpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block
             if swizzle:
                 T.use_swizzle(panel_size=swizzle)
             T.clear(C_f)
+            if scales_once:
+                T.copy(S[bx * block_N, bz * k_steps * per_step], S_s)
             for k in T.Pipelined(k_steps, num_stages=num_stages):
                 ko = bz * k_steps + k
                 T.copy(A[by * block_M, ko * block_K], A_s)
                 T.copy(W[bx * block_N, ko * (block_K // 8)], W_s)
-                T.copy(S[bx * block_N, ko * (block_K // BLOCK)], S_s)
+                if not scales_once:
+                    T.copy(S[bx * block_N, ko * per_step], S_s)
+                s0 = k * per_step if scales_once else 0  # this step's first scale column
                 # Element by element: TileLang gives each thread the eight elements of a word
                 # and stores them as one 16-byte vector; a loop over words writing eight elements
                 # gets a barrier per iteration instead.
-                if not reg:
-                    T.copy(W_s, W_f)
-                    T.copy(S_s, S_f)
-                for n, kk in T.Parallel(block_N, block_K):
-                    code = _nibble(W_f[n, kk // 8], kk)
-                    value = table[code] if lut else _code_value_bits(code)
-                    B_s[n, kk] = T.cast(value * _scale(S_f[n, kk // BLOCK]), dtype)
+                if bf16x2:  # thread t decodes words t, t + threads, ...: rows' words in turn
+                    T.import_source(BF16X2_SOURCE)
+                    tx = T.get_thread_binding()
+                    # TileLang sees no store in the call, so the barriers around the tile are
+                    # ours: every warp's rows are read by the last step's matrix units (before)
+                    # and decoded by all warps (after).
+                    T.sync_threads()
+                    for i in T.serial(words // threads):  # check_config: threads divide words
+                        n, w = (i * threads + tx) // (block_K // 8), (i * threads + tx) % (
+                            block_K // 8)
+                        T.call_extern("handle", BF16X2_DECODE, W_s[n, w],
+                                      S_s[n, s0 + w * 8 // BLOCK],
+                                      T.address_of(B_s[n, w * 8]))
+                    T.sync_threads()
+                else:
+                    if not reg:
+                        T.copy(W_s, W_f)
+                        T.copy(S_s[0:block_N, s0:s0 + per_step], S_f)
+                    for n, kk in T.Parallel(block_N, block_K):
+                        code = _nibble(W_f[n, kk // 8], kk)
+                        value = table[code] if lut else _code_value_bits(code)
+                        scale = S_s[n, s0 + kk // BLOCK] if reg else S_f[n, kk // BLOCK]
+                        B_s[n, kk] = T.cast(value * _scale(scale), dtype)
                 gpu_tiles.mma(A_s, B_s, C_f, swap_ab, True, annotations)
             gpu_tiles.store(C_f, C, partials, by * block_M, bx * block_N, bz, swap_ab, partial)
 

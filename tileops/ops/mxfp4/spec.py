@@ -149,10 +149,13 @@ class Mxfp4GemmSpec(OpSpec):
             if config.get("split_k", 1) != 1:
                 return "the global dequantisation is for large M: split_k 1 only"
             smem = max(stages, 1) * (bm + bn) * bk * esize
-        else:  # A, packed W, scales (and the decoded B tile, unless in registers) per stage
-            decoded = 0 if config["dequant"] == "reg" else bn * bk * esize
-            per_stage = bm * bk * esize + bn * bk // 2 + bn * bk // BLOCK + decoded
-            smem = max(stages, 1) * per_stage + 64
+        else:  # A and packed W per stage; one decoded B tile (unless in registers); scales
+            smem = _fused_smem(problem, config, target)[0]
+            if config["dequant"] == "bf16x2":
+                if target.kind != "cuda" or problem.dtype != "bfloat16":
+                    return "dequant 'bf16x2' is CUDA code for bf16 activations"
+                if bn * bk // 8 % threads:
+                    return f"{threads} threads do not divide the tile's {bn * bk // 8} words"
             if config["dequant"] == "reg":
                 if not config.get("swap_ab"):
                     return "dequant 'reg' feeds the weight as the A operand: swap_ab only"
@@ -179,7 +182,8 @@ class Mxfp4GemmSpec(OpSpec):
         _, N, K, dtype = problem
         if target.kind == "cpu":
             return kernels.cpu_program(N, K, dtype, **config)
-        return kernels.gpu_program(N, K, dtype, **config)
+        scales_once = config["dequant"] != "global" and _fused_smem(problem, config, target)[1]
+        return kernels.gpu_program(N, K, dtype, **config, scales_once=scales_once)
 
     def adapt(self, kernel: Any, target: Target) -> Any:
         return BitsAdapter(kernel) if target.kind == "cpu" else gpu_adapter(kernel)
@@ -217,3 +221,18 @@ class Mxfp4GemmSpec(OpSpec):
 
 
 MXFP4_GEMM = Mxfp4GemmSpec()
+
+
+def _fused_smem(problem: Mxfp4Problem, config: Config, target: Target) -> tuple[int, bool]:
+    """Shared memory of the fused kernels (bytes), and whether it holds the scales of every K
+    step (loaded once, off the loop's critical path) rather than one step's: the former wherever
+    it fits. TileLang's Metal code has no 16-byte uint8 vectors, which a scale row needs."""
+    bm, bn, bk = config["block_M"], config["block_N"], config["block_K"]
+    esize = DTYPE_SIZES[problem.dtype]
+    decoded = 0 if config["dequant"] == "reg" else bn * bk * esize
+    base = max(config["num_stages"], 1) * (bm * bk * esize + bn * bk // 2) + decoded + 64
+    steps = -(-problem.K // bk) // config.get("split_k", 1)
+    every_step = base + bn * bk // BLOCK * steps
+    if target.kind != "metal" and every_step <= smem_limit(target.arch):
+        return every_step, True
+    return base + bn * bk // BLOCK, False
