@@ -117,7 +117,10 @@ def gpu_program(h_q: int, s_q: int, dtype: str, *, block_H: int, block_N: int, n
                    L_part: T.Tensor((batch, rows, num_splits), ACCUM),
                    Out: T.Tensor((batch, rows, D_LATENT), dtype),
                    LSE: T.Tensor((batch, h_q, s_q), ACCUM)):
-        with T.Kernel(batch, row_tiles, num_splits, threads=threads) as (bx, by, bz):
+        # Row tiles innermost: the CTAs of one sequence's row tiles (h_q = 128 takes two) start
+        # together and read the same pages, the second from L2. Batch innermost, each wave
+        # held one row tile of every sequence and the next re-read every page from HBM.
+        with T.Kernel(row_tiles, batch, num_splits, threads=threads) as (by, bx, bz):
             acc_o = T.alloc_fragment((block_H, D_LATENT), ACCUM)
             msc = T.alloc_fragment((block_H,), ACCUM)
             l = T.alloc_fragment((block_H,), ACCUM)
