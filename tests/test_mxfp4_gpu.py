@@ -98,8 +98,9 @@ def test_cuda_errors():
         tileops.mxfp4_gemm(torch.randn(4, 128, device="cuda"), w_fp4, w_scale)
 
 
-@pytest.mark.parametrize("dequant", ["bits", "lut", "reg", "bf16x2"])
-def test_every_code_under_every_scale_decodes_exactly_cuda(dequant):
+@pytest.mark.parametrize(("dequant", "ctas_per_sm"),
+                         [("bits", 1), ("lut", 1), ("reg", 1), ("bf16x2", 1), ("bf16x2", 2)])
+def test_every_code_under_every_scale_decodes_exactly_cuda(dequant, ctas_per_sm):
     """Row n of the weight holds the 16 codes under scale n (0: 2^-127, 255: NaN); one-hot rows
     of A pick single columns, so the product is the decoded weight itself, bit for bit."""
     target = target_of(CUDA)
@@ -110,7 +111,7 @@ def test_every_code_under_every_scale_decodes_exactly_cuda(dequant):
     a = torch.eye(16, K, device="cuda", dtype=torch.bfloat16)
     problem = MXFP4_GEMM.parse_problem(f"16x{N}x{K}", "bfloat16")
     config = {**MXFP4_GEMM.default_config(problem, target), "dequant": dequant, "split_k": 1,
-              "block_K": 64}
+              "block_K": 64, "ctas_per_sm": ctas_per_sm}
     kernel = dispatch.compile_kernel(MXFP4_GEMM, problem, config, target)
     out = MXFP4_GEMM.launch(kernel, MXFP4_GEMM.prepare(a, w_fp4, w_scale).args)
     want = tileops.dequantize_mxfp4(w_fp4, w_scale, torch.bfloat16)[:, :16].t()

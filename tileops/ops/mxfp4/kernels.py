@@ -117,12 +117,15 @@ __host__ __device__ __forceinline__ void tileops_e2m1x8_bf16(unsigned int w, uns
 
 def gpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block_K: int,
                 num_stages: int, threads: int, dequant: str, split_k: int = 1,
-                swap_ab: int = 0, swizzle: int = 0, k_pack: int = 1, scales_once: bool = True):
+                swap_ab: int = 0, swizzle: int = 0, k_pack: int = 1, ctas_per_sm: int = 1,
+                scales_once: bool = True):
     """The GPU tile program: wgmma on sm_90a, mma on older CUDA (see the module docstring for
     `dequant`). `swap_ab` and `split_k` are the decode knobs of `gpu_tiles`; with `split_k` > 1
     the program takes its fp32 workspace (split_k, M, N) after C, and with "global" its
     dequantised weight (N, K) last. `k_pack` packs K for AMD's MFMA (the hip space varies it).
-    `scales_once`: load the scales of every K step before the loop (else one step's per step)."""
+    `scales_once`: load the scales of every K step before the loop (else one step's per step).
+    `ctas_per_sm` 2 caps registers (CUDA) so that two CTAs share an SM: twice the warps to hide
+    the decode's latencies, where one CTA holds 240 registers per thread for 8 accumulators."""
     M = T.dynamic("m")
     tile = {"block_M": block_M, "block_N": block_N, "block_K": block_K,
             "num_stages": num_stages, "threads": threads, "swizzle": swizzle,
@@ -169,6 +172,9 @@ def gpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block
             W_f = W_s if in_place else T.alloc_fragment((block_N, block_K // 8), "int32")
             S_f = None if in_place else T.alloc_fragment((block_N, per_step), "uint8")
             C_f = gpu_tiles.accumulator(block_M, block_N, swap_ab)
+            if ctas_per_sm > 1:
+                T.annotate_min_blocks_per_sm(ctas_per_sm)
+                T.no_set_max_nreg()  # growing the consumers to 240 would not fit two CTAs
             if lut:
                 for c in T.Parallel(16):
                     table[c] = _code_value_select(T.cast(c, "uint32"))

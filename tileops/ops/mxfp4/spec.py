@@ -123,12 +123,12 @@ class Mxfp4GemmSpec(OpSpec):
             return {"block_M": 32, "block_N": 32, "block_K": 32, "num_stages": 0, "threads": 128,
                     "dequant": "bits"}
         units = target.units or 132
-        plain = {"split_k": 1, "swap_ab": 0}
+        plain = {"split_k": 1, "swap_ab": 0, "ctas_per_sm": 1}
         if M <= 64:  # decode: bound by reading W; the weight fills the wgmma M side (swap_ab)
             block_K = 256 if M <= 32 else 128  # three stages within sm_80's shared memory
             return {"block_M": max(M, 16), "block_N": 64, "block_K": block_K, "num_stages": 3,
                     "threads": 128, "dequant": "bits", "swizzle": 0, "swap_ab": 1,
-                    "split_k": decode_split_k(N, K, 64, block_K, units)}
+                    "ctas_per_sm": 1, "split_k": decode_split_k(N, K, 64, block_K, units)}
         if M <= 256:  # two stages: 113 KiB, within sm_80's shared memory too
             return {"block_M": 64, "block_N": 128, "block_K": 128, "num_stages": 2,
                     "threads": 128, "dequant": "bits", "swizzle": 0, **plain}
@@ -164,8 +164,11 @@ class Mxfp4GemmSpec(OpSpec):
             elif bn * bk // 8 // threads > 64:  # a step's packed words, held in registers
                 return f"{bn * bk // 8 // threads} packed words per thread (> 64 registers)"
         limit = smem_limit(target.arch)
-        if smem > limit:
-            return f"shared memory {smem // 1024} KiB > {limit // 1024} KiB"
+        ctas = config.get("ctas_per_sm", 1)
+        if ctas > 1 and (target.kind != "cuda" or config["dequant"] == "global"):
+            return "ctas_per_sm caps registers of the fused CUDA kernels only"
+        if smem * ctas > limit:
+            return f"shared memory {ctas} x {smem // 1024} KiB > {limit // 1024} KiB"
         if bm * bn // threads > 128:
             return f"{bm * bn // threads} accumulators per thread (> 128 registers)"
         if not config.get("swap_ab"):
