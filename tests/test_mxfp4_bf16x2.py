@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tileops import dequantize_mxfp4
-from tileops.ops.mxfp4.kernels import BF16X2_DECODE, BF16X2_SOURCE
+from tileops.ops.mxfp4.kernels import BF16X2_DECODE, BF16X2_SCALE, BF16X2_SOURCE
 
 MAIN = r"""
 #include <cstdio>
@@ -18,7 +18,7 @@ int main() {
   unsigned short out[8];
   for (unsigned int e = 0; e < 256; ++e)
     for (unsigned int b = 0; b < 256; ++b) {
-      DECODE(b * 0x01010101u, e, out);  // the byte in each of a word's four positions
+      DECODE(b * 0x01010101u, SCALE(e), out);  // the byte in each of a word's four places
       fwrite(out, 2, 8, stdout);
     }
 }
@@ -28,7 +28,8 @@ int main() {
 @pytest.mark.skipif(not shutil.which("nvcc"), reason="needs nvcc")
 def test_every_byte_and_scale_decodes_exactly(tmp_path):
     source = tmp_path / "decode.cu"
-    source.write_text(BF16X2_SOURCE + MAIN.replace("DECODE", BF16X2_DECODE))
+    source.write_text(BF16X2_SOURCE + MAIN.replace("DECODE", BF16X2_DECODE)
+                      .replace("SCALE", BF16X2_SCALE))
     subprocess.run(["nvcc", "-o", str(tmp_path / "decode"), str(source)], check=True,
                    capture_output=True, timeout=300)
     raw = subprocess.run([str(tmp_path / "decode")], check=True, capture_output=True).stdout

@@ -16,8 +16,9 @@ Where the weight is decoded is a configuration knob (`dequant`):
           to wgmma as the A operand (with swap_ab the weight is that operand): no decoded tile
           is written to shared memory and read back;
   "bf16x2": (CUDA, bf16) as "bits", but each word becomes four bf16 pairs in integer registers
-          (`BF16X2_SOURCE`): about 3 instructions per element where the fp32 route takes 12, the
-          budget that reading 4.25-bit weights at HBM speed leaves an SM being about 7;
+          (`BF16X2_SOURCE`), each scale a bf16 pair once per step: ~4 SASS instructions per
+          element where the fp32 route takes ~16, against the ~7 that streaming 4.25-bit weights
+          at HBM speed leaves an SM;
   "global": a first kernel decodes the whole weight into a (N, K) workspace of the activation
           dtype and the GEMM tile loop (`gpu_tiles.matmul`) reads that. At large M every weight
           tile is used by M / block_M CTAs, so decoding it once beats decoding it in every CTA;
@@ -77,15 +78,18 @@ def _scale(e8m0):
 # and 25: one shift of 6 for both). Read as bf16 the pair is the E2M1 value times 2^-126 (code
 # 1, 0.5, comes out as the subnormal 2^-127), so one packed multiply by 2^126 makes it exact and
 # a second applies the scale 2^(e - 127): the one rounding the fp32 route's cast also does.
-# E8M0 255 is NaN, 0 is 2^-127 (a bf16 subnormal).
-BF16X2_DECODE = "tileops_e2m1x8_bf16"
+# The scale pair comes from `tileops_e8m0_bf16x2` (255 is NaN, 0 is 2^-127, a bf16 subnormal).
+BF16X2_DECODE, BF16X2_SCALE = "tileops_e2m1x8_bf16", "tileops_e8m0_bf16x2"
 BF16X2_SOURCE = r"""
 #include <cuda_bf16.h>
 #include <cstring>
-__host__ __device__ __forceinline__ void tileops_e2m1x8_bf16(unsigned int w, unsigned int e,
-                                                            void* out) {
+__host__ __device__ __forceinline__ unsigned int tileops_e8m0_bf16x2(unsigned int e) {
   unsigned int s = e == 0u ? 0x0040u : (e == 255u ? 0x7FC0u : e << 7);
-  unsigned int s2 = s | (s << 16), k = 0x7E807E80u;  // the scale, 2^126: bf16 pairs
+  return s | (s << 16);
+}
+__host__ __device__ __forceinline__ void tileops_e2m1x8_bf16(unsigned int w, unsigned int s2,
+                                                            void* out) {
+  unsigned int k = 0x7E807E80u;  // 2^126, a bf16 pair
   unsigned int pairs[4];
   __nv_bfloat162 scale, two126;
   memcpy(&scale, &s2, 4);
@@ -171,6 +175,8 @@ def gpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block
             in_place = reg or bf16x2
             W_f = W_s if in_place else T.alloc_fragment((block_N, block_K // 8), "int32")
             S_f = None if in_place else T.alloc_fragment((block_N, per_step), "uint8")
+            # "bf16x2": a step's scales as bf16 pairs, converted before its words.
+            S2_s = T.alloc_shared((block_N, per_step), "uint32") if bf16x2 else None
             C_f = gpu_tiles.accumulator(block_M, block_N, swap_ab)
             if ctas_per_sm > 1:
                 T.annotate_min_blocks_per_sm(ctas_per_sm)
@@ -196,15 +202,17 @@ def gpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block
                 if bf16x2:  # thread t decodes words t, t + threads, ...: rows' words in turn
                     T.import_source(BF16X2_SOURCE)
                     tx = T.get_thread_binding()
-                    # TileLang sees no store in the call, so the barriers around the tile are
-                    # ours: every warp's rows are read by the last step's matrix units (before)
-                    # and decoded by all warps (after).
+                    for n, j in T.Parallel(block_N, per_step):
+                        S2_s[n, j] = T.call_extern("uint32", BF16X2_SCALE, S_s[n, s0 + j])
+                    # TileLang sees no store in the decoder's call, so the barriers around the
+                    # tile are ours: every warp's rows are read by the last step's matrix units
+                    # (before) and decoded by all warps (after).
                     T.sync_threads()
                     for i in T.serial(words // threads):  # check_config: threads divide words
                         n, w = (i * threads + tx) // (block_K // 8), (i * threads + tx) % (
                             block_K // 8)
                         T.call_extern("handle", BF16X2_DECODE, W_s[n, w],
-                                      S_s[n, s0 + w * 8 // BLOCK],
+                                      S2_s[n, w * 8 // BLOCK],
                                       T.address_of(B_s[n, w * 8]))
                     T.sync_threads()
                 else:

@@ -234,6 +234,8 @@ def _fused_smem(problem: Mxfp4Problem, config: Config, target: Target) -> tuple[
     esize = DTYPE_SIZES[problem.dtype]
     decoded = 0 if config["dequant"] == "reg" else bn * bk * esize
     base = max(config["num_stages"], 1) * (bm * bk * esize + bn * bk // 2) + decoded + 64
+    if config["dequant"] == "bf16x2":
+        base += bn * bk // BLOCK * 4  # a step's scales as bf16 pairs
     steps = -(-problem.K // bk) // config.get("split_k", 1)
     every_step = base + bn * bk // BLOCK * steps
     if target.kind != "metal" and every_step <= smem_limit(target.arch):
