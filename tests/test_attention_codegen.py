@@ -31,6 +31,23 @@ def test_attention_overlap_variant_lowers_on_sm90a():
     assert "wgmma_ss" in src and "wgmma_rs" in src
 
 
+def test_attention_pingpong_hands_over_between_the_two_consumer_warpgroups():
+    problem = ATTENTION.Problem(2, 1024, 1024, 32, 8, 128, False, "bfloat16")
+    config = {**ATTENTION.default_config(problem, H200), "pingpong": 1}
+    assert ATTENTION.check_config(problem, config, H200) is None
+    src = lower(ATTENTION.build(problem, config, H200), H200).kernel_source
+    loop = src[src.index("warpgroup_reg_alloc"):]
+    # per block: wait for my turn, product, hand over; twice (Q K^T, P V)
+    assert loop.count("__named_barrier_arrive((10 -") == 2
+    assert loop.count("__sync_thread_partial(((((int)threadIdx.x) >> 7) + 7), 256)") == 1
+    # the P V turn's barrier id depends on the row sums, which keeps the softmax before it
+    assert "__sync_thread_partial((((((int)threadIdx.x) >> 7) + after[0]) + 7), 256)" in loop
+    # the second warpgroup's first hand-over lets the first one start
+    assert "(kb_1 == 0) && ((((int)threadIdx.x) >> 7) == 2)" in loop
+    overlapped = {**config, "overlap": 1}
+    assert "pingpong" in ATTENTION.check_config(problem, overlapped, H200)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_attention_compiles_with_nvcc():
     problem = ATTENTION.Problem(1, 4096, 4096, 32, 8, 128, True, "bfloat16")

@@ -51,11 +51,12 @@ def test_attention_cuda(B, Sq, Skv, Hq, Hkv, D, causal, dtype):
     check(out, lse, ATTENTION.reference((q, k, v, causal)))
 
 
-def test_every_element_written_cuda():
+@pytest.mark.parametrize("schedule", [{}, {"pingpong": 1}, {"overlap": 1}])
+def test_every_element_written_cuda(schedule):
     target = target_of(CUDA)
     problem = ATTENTION.Problem(2, 1024, 1024, 32, 8, 128, True, "bfloat16")
-    kernel = dispatch.compile_kernel(ATTENTION, problem, ATTENTION.default_config(problem, target),
-                                     target)
+    config = {**ATTENTION.default_config(problem, target), **schedule}
+    kernel = dispatch.compile_kernel(ATTENTION, problem, config, target)
     for Sq, Skv in [(1000, 999), (129, 1000), (1000, 129)]:
         inputs = ATTENTION.make_inputs(problem, CUDA, seed=Sq, sizes={"seqlen_q": Sq,
                                                                       "seqlen_kv": Skv})

@@ -61,15 +61,25 @@ _OVERLAP = {"order": [_EMIT.index(i) for i in range(13)],
             "stage": [int(i in (10, 11, 12)) for i in range(13)]}
 
 
+# Named barriers of the ping-pong schedule, one per consumer warpgroup (TileLang's own barriers
+# take the low ids).
+_PINGPONG_BARRIER = 8
+
+
 def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype: str, *,
                 block_M: int, block_N: int, num_stages: int, threads: int, overlap: int = 0,
-                k_pack: int = 1):
+                pingpong: int = 0, k_pack: int = 1):
     """The GPU tile program: T.gemm for Q K^T and P V (wgmma on sm_90a), pipelined KV loads.
 
     With `overlap` 0, TileLang warp-specialises it on sm_90a: a TMA producer warpgroup feeds
     `threads` of wgmma consumers through `num_stages` K/V buffers. With `overlap` 1 the loop is
     scheduled by hand (`_OVERLAP`, two stages, cp.async loads, no producer warpgroup) so that the
     softmax of one KV block sits between the products of its neighbours.
+
+    `pingpong` 1 (sm_90, `overlap` 0, two consumer warpgroups) takes turns on the tensor cores:
+    a warpgroup issues a product only after the other finished its own, and hands over as soon
+    as its product is done, so that each one's softmax runs under the other's products instead
+    of both warpgroups computing softmax at once while the tensor cores idle.
     """
     batch, seqlen_q, seqlen_kv = T.dynamic("batch"), T.dynamic("seqlen_q"), T.dynamic("seqlen_kv")
     # AMD MFMA K packing (the hip space varies it) for Q K^T; P V keeps the default, since a packed
@@ -103,6 +113,9 @@ def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
 
             q0 = bx * block_M
             kv_head = head // group
+            wg = T.get_thread_binding() // 128  # this thread's consumer warpgroup
+            mine, other = _PINGPONG_BARRIER + wg, _PINGPONG_BARRIER + 1 - wg
+            after = T.alloc_local((1,), "int32")  # see the P V barrier below
             T.copy(Q[b, q0:q0 + block_M, head, :], Q_s)
             T.fill(acc, 0)
             T.fill(l, 0)
@@ -116,6 +129,8 @@ def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
                 n_blocks = T.max(n_blocks, 1)
             for kb in T.Pipelined(n_blocks, **(_OVERLAP if overlap else
                                                {"num_stages": num_stages})):
+                if pingpong and kb == 0 and wg == 1:  # warpgroup 0 goes first (inside the
+                    T.named_barrier_arrive(_PINGPONG_BARRIER, 256)  # loop: consumer threads)
                 T.copy(K[b, kb * block_N:(kb + 1) * block_N, kv_head, :], K_s)
                 # The mask is the product's initial value (0, or -inf where the key is hidden;
                 # blocks every query sees whole skip it) and the scale goes into the exponent's
@@ -128,8 +143,12 @@ def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
                         S[i, j] = T.if_then_else(
                             _visible(q0 + i, kb * block_N + j, seqlen_q, seqlen_kv, causal),
                             0, neg_inf)
+                if pingpong:
+                    T.sync_threads(mine, 256)  # the other warpgroup's product is done
                 T.gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
                        annotations=annotations)
+                if pingpong:
+                    T.named_barrier_arrive(other, 256)
                 T.copy(m, m_prev)
                 T.reduce_max(S, m, dim=1, clear=False)
                 for i in T.Parallel(block_M):
@@ -144,7 +163,19 @@ def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
                 for i, j in T.Parallel(block_M, head_dim):
                     acc[i, j] *= alpha[i]
                 T.copy(V[b, kb * block_N:(kb + 1) * block_N, kv_head, :], V_s)
+                if pingpong:
+                    # ptxas moves register arithmetic across barriers: left alone, it waits for
+                    # the turn halfway through the row max and runs the exponentials after it,
+                    # so both warpgroups' softmax would overlap each other instead of the
+                    # products. The barrier id takes a term of the row sums (always 0: l >= 0
+                    # or NaN), so the softmax must be done before the wait.
+                    after[0] = 0
+                    for i in T.Parallel(block_M):
+                        after[0] = after[0] + T.if_then_else(l[i] < -1, 1, 0)
+                    T.sync_threads(mine + after[0], 256)
                 T.gemm(P, V_s, acc, policy=T.GemmWarpPolicy.FullRow)
+                if pingpong:
+                    T.named_barrier_arrive(other, 256)
             for i, j in T.Parallel(block_M, head_dim):
                 acc[i, j] = T.if_then_else(l[i] > 0, acc[i, j] / l[i], 0)
             T.copy(acc, O_s)

@@ -163,8 +163,9 @@ class AttentionSpec(OpSpec):
         if D <= 128:  # two K/V stages at head_dim 128 take 192 KiB: one stage below sm_90
             stages = 2 if smem_limit(target.arch) >= 192 * 1024 else 1
             return {"block_M": 128, "block_N": 128, "num_stages": stages, "threads": 256,
-                    "overlap": 0}
-        return {"block_M": 128, "block_N": 64, "num_stages": 1, "threads": 256, "overlap": 0}
+                    "overlap": 0, "pingpong": 0}
+        return {"block_M": 128, "block_N": 64, "num_stages": 1, "threads": 256, "overlap": 0,
+                "pingpong": 0}
 
     def check_config(self, problem: AttentionProblem, config: Config,
                      target: Target) -> str | None:
@@ -174,6 +175,9 @@ class AttentionSpec(OpSpec):
         threads, stages = config["threads"], config["num_stages"]
         if config.get("overlap") and stages != 2:
             return "overlap schedules its own two-stage pipeline (num_stages 2 only)"
+        if config.get("pingpong") and (config.get("overlap") or threads != 256
+                                       or not target.arch.startswith("sm_90")):
+            return "pingpong alternates two wgmma consumer warpgroups (sm_90, overlap 0, 256 threads)"
         esize = DTYPE_SIZES[problem.dtype]
         # Q and O tiles, plus K and V tiles per pipeline stage.
         smem = (2 * bm * D + max(stages, 1) * 2 * bn * D) * esize
