@@ -219,3 +219,27 @@ def test_suite_file_format(tmp_path):
     lines.write_text("# comment\n64x8x8\n1x8x8 float16  # trailing\n")
     assert suites.read_problems_file(GEMM, str(lines), ["float32"]) == [
         problem("64x8x8"), problem("1x8x8", "float16")]
+
+
+def test_shipped_records_match_this_kernel_source():
+    """A kernel change that stales the shipped records needs a re-tune (or dropping them):
+    dispatch ignores stale records, so they would ship as dead weight."""
+    from tileops.db.layers import stale_reason
+    from tileops.resources import data_dir
+
+    shipped = sorted(data_dir("tuning_db").glob("*.sqlite"))
+    assert shipped
+    for path in shipped:
+        with TuningDB(path) as tdb:
+            for record in tdb.records():
+                reason = stale_reason(get_spec(record.op), record)
+                assert reason is None, f"{path.name}: {record.op} {record.problem}: {reason}"
+
+
+def test_kernel_hash_follows_the_helpers_a_kernel_module_imports():
+    from tileops.spec import _tileops_imports
+
+    assert _tileops_imports("tileops.ops.attention.kernels") == {"tileops.ops.common"}
+    assert _tileops_imports("tileops.ops.mxfp4.kernels") == {
+        "tileops.ops.common", "tileops.ops.cpu_tiles", "tileops.ops.gpu_tiles",
+        "tileops.ops.mxfp4.format"}

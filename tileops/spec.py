@@ -10,6 +10,7 @@ the reference and the baseline, and the FLOP/byte model for roofline figures.
 from __future__ import annotations
 
 import abc
+import ast
 import functools
 import hashlib
 import importlib
@@ -210,10 +211,32 @@ def _spaces(op: str) -> dict[str, dict[str, Any]]:
 
 @functools.cache
 def _module_hash(module: str) -> str:
+    """Hash of a kernel module's source and of every tileops module it imports, transitively,
+    in name order: a change to a helper stales the records of the operators that use it."""
     source = "".join(inspect.getsource(importlib.import_module(m))
-                     for m in (module, *_SHARED_KERNEL_MODULES))
+                     for m in (module, *sorted(_tileops_imports(module))))
     return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
-# Helpers every operator's tile programs may call; part of each kernel's hash.
-_SHARED_KERNEL_MODULES = ("tileops.ops.common", "tileops.ops.cpu_tiles", "tileops.ops.gpu_tiles")
+def _tileops_imports(module: str, seen: frozenset[str] = frozenset()) -> set[str]:
+    """The tileops modules `module` imports (absolute names), and theirs."""
+    found: set[str] = set()
+    package = module.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(inspect.getsource(importlib.import_module(module)))):
+        if not isinstance(node, ast.ImportFrom) or not node.level:
+            continue  # kernel modules reach their helpers by relative imports
+        base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+        names = [f"{base}.{node.module}"] if node.module else [f"{base}.{a.name}"
+                                                                  for a in node.names]
+        found.update(n for n in names if n not in seen and _is_module(n))
+    for dep in list(found):
+        found |= _tileops_imports(dep, seen | found | {module})
+    return found
+
+
+def _is_module(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True
