@@ -239,7 +239,8 @@ def test_shipped_records_match_this_kernel_source():
 def test_kernel_hash_follows_the_helpers_a_kernel_module_imports():
     from tileops.spec import _tileops_imports
 
-    assert _tileops_imports("tileops.ops.attention.kernels") == {"tileops.ops.common"}
+    assert _tileops_imports("tileops.ops.attention.kernels") == {
+        "tileops.ops.common", "tileops.ops.online_softmax"}
     assert _tileops_imports("tileops.ops.mxfp4.kernels") == {
         "tileops.ops.common", "tileops.ops.cpu_tiles", "tileops.ops.gpu_tiles",
         "tileops.ops.mxfp4.format"}

@@ -19,6 +19,7 @@ import tilelang.cpu.language as TC
 import tilelang.language as T
 
 from ..common import ACCUM, LN2, LOG2E, bits, from_f32, softmax_offset, to_f32
+from ..online_softmax import online_softmax
 
 # CUDA fast math: exp2 compiles to one `ex2.approx` (exp2f otherwise adds range handling around
 # it), and the softmax's exponentials are most of its instructions; the error stays far below
@@ -149,16 +150,7 @@ def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
                        annotations=annotations)
                 if pingpong:
                     T.named_barrier_arrive(other, 256)
-                T.copy(m, m_prev)
-                T.reduce_max(S, m, dim=1, clear=False)
-                for i in T.Parallel(block_M):
-                    m_safe[i] = softmax_offset(m[i], scale)
-                    alpha[i] = T.exp2(m_prev[i] * scale - m_safe[i])
-                for i, j in T.Parallel(block_M, block_N):
-                    S[i, j] = T.exp2(S[i, j] * scale - m_safe[i])
-                T.reduce_sum(S, row_sum, dim=1)
-                for i in T.Parallel(block_M):
-                    l[i] = l[i] * alpha[i] + row_sum[i]
+                online_softmax(S, m, m_prev, m_safe, alpha, row_sum, l, scale)
                 T.copy(S, P)
                 for i, j in T.Parallel(block_M, head_dim):
                     acc[i, j] *= alpha[i]

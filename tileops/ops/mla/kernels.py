@@ -22,6 +22,7 @@ import tilelang.cpu.language as TC
 import tilelang.language as T
 
 from ..common import ACCUM, LN2, bits, from_f32, softmax_offset, to_f32
+from ..online_softmax import online_softmax
 
 PAGE = 64  # cache page size (rows per block of kv_cache)
 D_LATENT, D_ROPE = 512, 64
@@ -45,16 +46,7 @@ def gpu_program(h_q: int, s_q: int, dtype: str, *, block_H: int, block_N: int, n
     @T.macro
     def update(S, P_s, K_s, acc_o, m, m_prev, msc, alpha, rowsum, l, scale):
         # Online softmax: new running max, rescale what was accumulated, add this block.
-        T.copy(m, m_prev)
-        T.reduce_max(S, m, dim=1, clear=False)
-        for i in T.Parallel(block_H):
-            msc[i] = softmax_offset(m[i], scale)
-        for i, j in T.Parallel(block_H, block_N):
-            S[i, j] = T.exp2(S[i, j] * scale - msc[i])
-        T.reduce_sum(S, rowsum, dim=1)
-        for i in T.Parallel(block_H):
-            alpha[i] = T.exp2(m_prev[i] * scale - msc[i])
-            l[i] = l[i] * alpha[i] + rowsum[i]
+        online_softmax(S, m, m_prev, msc, alpha, rowsum, l, scale)
         for i, j in T.Parallel(block_H, D_LATENT):
             acc_o[i, j] *= alpha[i]
         T.copy(S, P_s)
