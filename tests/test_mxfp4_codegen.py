@@ -87,3 +87,9 @@ def test_bf16x2_decode_is_bf16_and_cuda_only():
     fp16 = MXFP4_GEMM.parse_problem("16x4096x4096", "float16")
     config = {**MXFP4_GEMM.default_config(fp16, H200), "dequant": "bf16x2"}
     assert "bf16" in MXFP4_GEMM.check_config(fp16, config, H200)
+
+
+def test_scale_rows_longer_than_a_tma_box_still_load_once():
+    # 8192x28672 split in two: 448 scales per row and CTA, over TMA's 256-element box.
+    src = source(1, 8192, 28672, dequant="bf16x2", block_N=128, split_k=2)
+    assert src.count("tma_load(S_desc") >= 1 and "mbarrier" in src

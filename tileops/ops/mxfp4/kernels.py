@@ -152,6 +152,7 @@ def gpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block
     words = block_N * block_K // 8  # packed words of a weight tile
     per_step = block_K // BLOCK  # scales per weight row and K step
     k_steps = -(-K // block_K) // split_k  # check_config: split_k divides the K steps
+    scale_cols = scale_columns(k_steps * per_step)
     partial = split_k > 1
 
     @T.macro
@@ -163,7 +164,7 @@ def gpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block
             # The scales of every step, loaded once: a step's block_N x block_K/32 bytes are too
             # narrow a box for TMA, and copied per step they were a synchronous global load in
             # the consumer's loop, a DRAM round trip per K step.
-            S_s = T.alloc_shared((block_N, (k_steps if scales_once else 1) * per_step), "uint8")
+            S_s = T.alloc_shared((block_N, scale_cols if scales_once else per_step), "uint8")
             # "reg": the decoded tile stays in the registers of the threads that feed it to the
             # matrix units as their A operand (wgmma's register-sourced form; swap_ab only).
             B_s = (T.alloc_fragment if reg else T.alloc_shared)((block_N, block_K), dtype)
@@ -243,6 +244,15 @@ def gpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block
         gpu_tiles.sum_partials(partials, C, M, N, split_k)
 
     return mxfp4_gemm_split_k
+
+
+TMA_BOX = 256  # the most elements a TMA box spans in one dimension
+
+
+def scale_columns(n: int) -> int:
+    """Columns of the shared tile holding `n` scales per row: up to TMA's box, else a multiple of
+    it, which TileLang splits into boxes (the extra columns read past the slice, unused)."""
+    return n if n <= TMA_BOX else -(-n // TMA_BOX) * TMA_BOX
 
 
 DEQUANT_ROWS, DEQUANT_COLS = 16, 512  # weight rows x elements per CTA of `_dequantize`

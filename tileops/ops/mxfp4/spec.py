@@ -237,7 +237,7 @@ def _fused_smem(problem: Mxfp4Problem, config: Config, target: Target) -> tuple[
     if config["dequant"] == "bf16x2":
         base += bn * bk // BLOCK * 4  # a step's scales as bf16 pairs
     steps = -(-problem.K // bk) // config.get("split_k", 1)
-    every_step = base + bn * bk // BLOCK * steps
+    every_step = base + bn * kernels.scale_columns(bk // BLOCK * steps)
     if target.kind != "metal" and every_step <= smem_limit(target.arch):
         return every_step, True
     return base + bn * bk // BLOCK, False
