@@ -112,7 +112,9 @@ def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
             l = T.alloc_fragment((block_M,), ACCUM)  # noqa: E741
             row_sum = T.alloc_fragment((block_M,), ACCUM)
 
-            q0 = bx * block_M
+            # Causal: the last query blocks see the most keys; launching them first leaves the
+            # light blocks for the tail of the grid, where they fill SMs as others finish.
+            q0 = (T.ceildiv(seqlen_q, block_M) - 1 - bx if causal else bx) * block_M
             kv_head = head // group
             wg = T.get_thread_binding() // 128  # this thread's consumer warpgroup
             mine, other = _PINGPONG_BARRIER + wg, _PINGPONG_BARRIER + 1 - wg
