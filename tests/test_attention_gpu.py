@@ -51,7 +51,8 @@ def test_attention_cuda(B, Sq, Skv, Hq, Hkv, D, causal, dtype):
     check(out, lse, ATTENTION.reference((q, k, v, causal)))
 
 
-@pytest.mark.parametrize("schedule", [{}, {"pingpong": 1}, {"overlap": 1}])
+@pytest.mark.parametrize("schedule", [{}, {"pingpong": 1}, {"overlap": 1}],
+                         ids=["default", "pingpong", "overlap"])
 def test_every_element_written_cuda(schedule):
     target = target_of(CUDA)
     problem = ATTENTION.Problem(2, 1024, 1024, 32, 8, 128, True, "bfloat16")
