@@ -11,6 +11,10 @@ A sampler's best is judged twice: by its own measurement (`best_us`), and by the
 measurement of the configuration it found best (`grid_us_of_best`), which takes run-to-run noise
 out of the comparison.
 
+With `--replay`, random and TPE are not measured at all: their searches run through the same loop
+as a real sweep (same sampler, constraint checks, repeats), but each configuration's latency is
+the one the grid measured. The grid is then the only device work, and many seeds cost seconds.
+
 Resumable: every study lives in the Optuna journal beside the results (`--storage`), so running
 the same command again continues where it stopped; `--time-budget S` stops starting trials after S
 seconds and exits with code 3 ("incomplete: run again"). Example on a GPU machine:
@@ -45,9 +49,12 @@ from tileops.ops import get_spec
 from tileops.target import resolve_device
 from tileops.version import __version__
 from tuner import studies, suites
+from tuner.child import Outcome
+from tuner.evaluate import Job, Measurement
 from tuner.progress import Progress
 from tuner.search import Limits, Task, search
 from tuner.session import Session
+from tuner.timing import Stats
 
 ROOT = Path(__file__).resolve().parent
 INCOMPLETE = 3
@@ -75,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "op": spec.name, "device": target.device, "target": target.describe(),
         "suite": suite.name, "fraction": args.fraction, "seeds": args.seeds, "space": space,
-        "versions": versions(), "problems": []}
+        "replay": args.replay, "versions": versions(), "problems": []}
     complete = True
     with Session(str(device), jobs, args.trial_timeout) as session:
         for problem in problems:
@@ -87,13 +94,23 @@ def main(argv: list[str] | None = None) -> int:
             entry: dict[str, Any] = {"problem": spec.problem_dict(problem), "label": task.label,
                                      "valid_configs": valid, "budget": budget, "runs": []}
             grid_table: dict[str, float] = {}
+            replay: Replay | None = None
             for sampler, seed, trials in runs:
-                study = open_run(storage, task, sampler, seed)
-                result = search(session, study, task, Limits(trials, deadline=deadline),
-                                progress, jobs, seed)
-                complete &= result.stopped != "timeout"
+                if replay is not None:  # a sampler's search answered by the grid's timings
+                    study = open_run(optuna.storages.InMemoryStorage(), task, sampler, seed)
+                    search(replay, study, task, Limits(trials), progress, jobs, seed,
+                           time_baseline=False)
+                else:
+                    study = open_run(storage, task, sampler, seed)
+                    result = search(session, study, task, Limits(trials, deadline=deadline),
+                                    progress, jobs, seed)
+                    complete &= result.stopped != "timeout"
+                    if args.replay and result.stopped != "timeout":
+                        replay = Replay(study)
                 entry["runs"].append(run_result(study, sampler, seed, trials))
                 grid_table = grid_table or latencies(study)
+                if args.replay and replay is None:
+                    break  # the grid is unfinished: nothing to replay against yet
             score(entry, grid_table)
             report["problems"].append(entry)
             if deadline is not None and time.monotonic() >= deadline:
@@ -133,10 +150,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--trial-timeout", type=float, default=120.0)
     p.add_argument("--time-budget", type=float, metavar="S",
                    help="start no trial after S seconds; exit 3 if unfinished (run again)")
+    p.add_argument("--replay", action="store_true",
+                   help="replay random and TPE against the grid's measurements (no device work "
+                        "beyond the grid)")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--plot-from", metavar="JSON",
                    help="only draw the plot of a results file (e.g. where matplotlib is)")
     return p.parse_args(argv)
+
+
+class Replay:
+    """Stands in for a `Session`: compiles nothing and answers each measurement with the finished
+    grid study's trial of the same configuration (its median and quartiles, or its failure)."""
+
+    def __init__(self, grid_study: optuna.Study):
+        self.trials = {canonical(t.params): t for t in grid_study.get_trials(deepcopy=False)
+                       if t.user_attrs.get(studies.COUNTED) and studies.REPEAT_OF not in
+                       t.user_attrs and t.state.is_finished()}
+
+    def compile(self, jobs: list[Job]) -> list[Outcome]:
+        return [Outcome() for _ in jobs]
+
+    def measure(self, job: Job, seed: int) -> Measurement:
+        t = self.trials.get(canonical(job.config))
+        if t is None:
+            return Measurement(failure="unmeasured", reason="not in the grid's trials")
+        if t.value is None:
+            return Measurement(failure=t.user_attrs.get(studies.FAILURE, "error"),
+                               reason=t.user_attrs.get(studies.REASON, ""))
+        q25, q75 = t.user_attrs.get("q25_us", t.value), t.user_attrs.get("q75_us", t.value)
+        return Measurement(stats=Stats(t.value, q25, q75, 1))
 
 
 def pick(spec, problems: list[tuple], n: int) -> list[tuple]:

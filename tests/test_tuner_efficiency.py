@@ -29,3 +29,19 @@ def test_efficiency_experiment_runs_and_resumes(tmp_path):
         assert runs["tpe"]["grid_us_of_best"] is not None
         assert set(report["summary"]) == {"random", "tpe"}
     assert (tmp_path / "tuner_efficiency.journal").exists()
+
+
+def test_replay_answers_random_and_tpe_from_the_grid(tmp_path):
+    args = [sys.executable, "benchmarks/tuner_efficiency.py", "--device", "cpu", "--suite",
+            "quickstart", "--dtype", "bfloat16", "--problems", "1", "--seeds", "5",
+            "--fraction", "0.5", "--space", json.dumps(SPACE), "--results-dir", str(tmp_path),
+            "--replay", "--quiet"]
+    subprocess.run(args, cwd=ROOT, check=True, timeout=300, capture_output=True)
+    report = json.loads((tmp_path / "tuner_efficiency.json").read_text())
+    assert report["complete"] and report["replay"]
+    (entry,) = report["problems"]
+    grid, *runs = entry["runs"]
+    assert grid["sampler"] == "grid" and grid["trials"] == 4  # measured for real
+    assert len(runs) == 10 and all(r["trials"] == 2 for r in runs)
+    for run in runs:  # every latency a replayed run saw is the grid's measurement of that config
+        assert run["best_us"] == run["grid_us_of_best"]
