@@ -161,18 +161,20 @@ def gpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block
                       threads=threads) as (bx, by, bz):
             A_s = T.alloc_shared((block_M, block_K), dtype)
             W_s = T.alloc_shared((block_N, block_K // 8), "int32")
-            # The scales of every step, loaded once: a step's block_N x block_K/32 bytes are too
-            # narrow a box for TMA, and copied per step they were a synchronous global load in
-            # the consumer's loop, a DRAM round trip per K step.
+            # The scales of every step, loaded once (`scales_once`; per step where shared memory
+            # is short, or on Metal): a step's block_N x block_K/32 bytes are too narrow a box
+            # for TMA, and copied per step they are a synchronous global load in the consumer's
+            # loop, a DRAM round trip per K step.
             S_s = T.alloc_shared((block_N, scale_cols if scales_once else per_step), "uint8")
             # "reg": the decoded tile stays in the registers of the threads that feed it to the
             # matrix units as their A operand (wgmma's register-sourced form; swap_ab only).
             B_s = (T.alloc_fragment if reg else T.alloc_shared)((block_N, block_K), dtype)
             table = T.alloc_shared((16,), ACCUM)
-            # The packed words and scales of a step move to registers first (16-byte loads),
-            # which frees their shared-memory stage before decoding and keeps the decode loop's
-            # only shared access its store: no barrier inside it. ("reg" reads them in place:
-            # its threads would each need four rows' words, registers it lacks.)
+            # "bits" and "lut": the packed words and scales of a step move to registers first
+            # (16-byte loads), which frees their shared-memory stage before decoding and keeps
+            # the decode loop's only shared access its store: no barrier inside it. ("reg" reads
+            # them in place: its threads would each need four rows' words, registers it lacks;
+            # "bf16x2" reads one word per thread and step of its loop.)
             in_place = reg or bf16x2
             W_f = W_s if in_place else T.alloc_fragment((block_N, block_K // 8), "int32")
             S_f = None if in_place else T.alloc_fragment((block_N, per_step), "uint8")
@@ -197,9 +199,6 @@ def gpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block
                 if not scales_once:
                     T.copy(S[bx * block_N, ko * per_step], S_s)
                 s0 = k * per_step if scales_once else 0  # this step's first scale column
-                # Element by element: TileLang gives each thread the eight elements of a word
-                # and stores them as one 16-byte vector; a loop over words writing eight elements
-                # gets a barrier per iteration instead.
                 if bf16x2:  # thread t decodes words t, t + threads, ...: rows' words in turn
                     T.import_source(BF16X2_SOURCE)
                     tx = T.get_thread_binding()
@@ -210,13 +209,16 @@ def gpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block
                     # (before) and decoded by all warps (after).
                     T.sync_threads()
                     for i in T.serial(words // threads):  # check_config: threads divide words
-                        n, w = (i * threads + tx) // (block_K // 8), (i * threads + tx) % (
-                            block_K // 8)
+                        word = i * threads + tx
+                        n, w = word // (block_K // 8), word % (block_K // 8)
                         T.call_extern("handle", BF16X2_DECODE, W_s[n, w],
                                       S2_s[n, w * 8 // BLOCK],
                                       T.address_of(B_s[n, w * 8]))
                     T.sync_threads()
                 else:
+                    # Element by element: TileLang gives each thread the eight elements of a word
+                    # and stores them as one 16-byte vector; a loop over words writing eight
+                    # elements gets a barrier per iteration instead.
                     if not reg:
                         T.copy(W_s, W_f)
                         T.copy(S_s[0:block_N, s0:s0 + per_step], S_f)
