@@ -5,11 +5,13 @@
 
 For each problem, in one process on the same inputs and with the tuner's timer (CUDA events after
 warm-up, L2 flushed before each launch, median): the public call through dispatch (`tileops_us`),
-the baseline (`baseline_us`), and the best tile kernel on its own (`tile_us`, the configuration
-dispatch resolved, launched directly). Writes `results/<device>/<op>.json` in the results format of
-the project's guide, which `benchmarks/report.py` renders; resumable (`--resume` keeps the cases
-already in the file). The kernels dispatch will choose are first compiled in parallel (`--jobs`
-processes, into TileLang's disk cache), so a long suite is not compiled one kernel at a time.
+the baseline (`baseline_us`), the best tile kernel on its own (`tile_us`, the configuration
+dispatch resolved, launched directly), and the library paths the spec reports beside the baseline
+(`beside_us`, e.g. SDPA's flash backend for attention). Writes `results/<device>/<op>.json` in
+the results format of the project's guide, which `benchmarks/report.py` renders; resumable
+(`--resume` keeps the cases already in the file). The kernels dispatch will choose are first
+compiled in parallel (`--jobs` processes, into TileLang's disk cache), so a long suite is not
+compiled one kernel at a time.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ def run_case(spec: OpSpec, problem: tuple, target: Target, device: torch.device,
     tileops_us = timer.measure(lambda: DISPATCHER(spec, *inputs)).median_us
     tile_us = timer.measure(lambda: spec.launch(kernel, call.args)).median_us
     baseline_us = timer.measure(lambda: spec.launch_baseline(call.args)).median_us
+    beside = {name: timer.measure(run).median_us
+              for name, run in spec.reported_beside(call.args).items()}
     fields = spec.problem_dict(problem)
     return {
         "problem": {k: v for k, v in fields.items() if k != "dtype"},
@@ -76,6 +80,7 @@ def run_case(spec: OpSpec, problem: tuple, target: Target, device: torch.device,
         "chosen": "baseline" if choice.use_baseline else "tile",
         "tile_us": tile_us, "source": choice.source if choice.exact else f"{choice.source}~",
         "config": choice.config, "rel_error": error,
+        **({"beside_us": beside} if beside else {}),
     }
 
 

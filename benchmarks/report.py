@@ -22,13 +22,19 @@ def label(case: dict[str, Any]) -> str:
 
 def markdown(report: dict[str, Any]) -> str:
     cases = report["cases"]
+    beside = sorted({name for c in cases for name in c.get("beside_us", {})})
     lines = [f"## {report['op']} on {report['device']} against {report['baseline']}", "",
-             "| problem | tileops us | baseline us | speedup | TFLOP/s | GB/s | ran | tile us |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| problem | tileops us | baseline us | speedup | TFLOP/s | GB/s | ran | tile us |"
+             + "".join(f" {name} us | speedup over {name} |" for name in beside),
+             "| --- | --- | --- | --- | --- | --- | --- | --- |" + " --- | --- |" * len(beside)]
     for c in cases:
-        lines.append(f"| {label(c)} | {c['tileops_us']:.1f} | {c['baseline_us']:.1f} | "
-                     f"{c['baseline_us'] / c['tileops_us']:.2f} | {c['tflops']:.1f} | "
-                     f"{c['gbps']:.0f} | {c['chosen']} | {c['tile_us']:.1f} |")
+        row = (f"| {label(c)} | {c['tileops_us']:.1f} | {c['baseline_us']:.1f} | "
+               f"{c['baseline_us'] / c['tileops_us']:.2f} | {c['tflops']:.1f} | "
+               f"{c['gbps']:.0f} | {c['chosen']} | {c['tile_us']:.1f} |")
+        for name in beside:
+            us = c.get("beside_us", {}).get(name)
+            row += f" {us:.1f} | {us / c['tileops_us']:.2f} |" if us else " - | - |"
+        lines.append(row)
     if cases:
         speedups = [c["baseline_us"] / c["tileops_us"] for c in cases]
         geomean = math.exp(sum(math.log(s) for s in speedups) / len(speedups))

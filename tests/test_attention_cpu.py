@@ -176,3 +176,9 @@ def test_under_torch_compile_and_custom_op():
     assert rel_error(compiled(q), ref) < 1e-5
     out, lse = torch.ops.tileops.attention(q, k, v, True)
     assert rel_error(out * 2, ref) < 1e-5 and lse.shape == (1, 4, 10)
+
+
+def test_flash_backend_is_reported_beside_the_baseline_on_cuda_only():
+    problem = ATTENTION.Problem(1, 64, 64, 4, 2, 64, True, "float32")
+    call = ATTENTION.prepare(*ATTENTION.make_inputs(problem, CPU, seed=1))
+    assert ATTENTION.reported_beside(call.args) == {}

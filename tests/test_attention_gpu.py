@@ -76,6 +76,15 @@ def test_baseline_matches_reference_cuda():
         check(out, lse, ATTENTION.reference(inputs))
 
 
+def test_paths_reported_beside_the_baseline_match_the_reference_cuda():
+    for causal, heads_kv in [(False, 32), (True, 8)]:
+        problem = ATTENTION.Problem(2, 1024, 1024, 32, heads_kv, 128, causal, "bfloat16")
+        inputs = ATTENTION.make_inputs(problem, CUDA, seed=11)
+        (flash,) = ATTENTION.reported_beside(ATTENTION.prepare(*inputs).args).values()
+        out = flash().transpose(1, 2)
+        assert rel_error(out, ATTENTION.reference(inputs)[0]) < 1e-2
+
+
 def test_dynamic_lengths_do_not_recompile_cuda():
     def run(B, S):
         q = torch.randn(B, S, 32, 128, device=CUDA, dtype=torch.bfloat16)

@@ -164,6 +164,11 @@ class OpSpec(abc.ABC):
     def launch_baseline(self, args: tuple) -> torch.Tensor:
         """Run the baseline (the vendor library path) on the same arguments."""
 
+    def reported_beside(self, args: tuple) -> dict[str, Callable[[], Any]]:
+        """Other library paths that benchmarks time and report beside the baseline (never
+        dispatched to), by name: each a call running on these arguments."""
+        return {}
+
     def kernel_hash(self) -> str:
         """Hash of the kernel builders' source and of the shared helpers they call: records made
         for other kernels are stale."""

@@ -266,6 +266,23 @@ class AttentionSpec(OpSpec):
         _, lse = _attention(q, k, v, causal, q.shape[3] ** -0.5, torch.float32, need_out=False)
         return out.transpose(1, 2), lse
 
+    def reported_beside(self, args: tuple) -> dict[str, Any]:
+        """SDPA's flash backend (grouped heads natively), where it can run the problem: CUDA, and
+        no bottom-right causal mask it would need as a tensor."""
+        q, k, v, causal, _ = args
+        if not q.is_cuda or (causal and q.shape[1] != k.shape[1]):
+            return {}
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+        def flash() -> torch.Tensor:
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    qt, kt, vt, is_causal=causal, enable_gqa=q.shape[2] != k.shape[2])
+
+        return {"sdpa_flash": flash}
+
     # ---- inputs, reference, roofline ------------------------------------------------------------
     def make_inputs(self, problem: AttentionProblem, device: torch.device, seed: int = 0,
                     sizes: dict[str, int] | None = None) -> tuple:
