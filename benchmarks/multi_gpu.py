@@ -44,9 +44,7 @@ def searched(journal: Path, keep: set[int] | None = None) -> dict[str, dict]:
         study = optuna.load_study(study_name=summary.study_name, storage=storage)
         trials = study.get_trials(deepcopy=False)
         states = Counter(t.state.name for t in trials)
-        counted = [t for t in trials if t.user_attrs.get(studies.COUNTED)
-                   and studies.REPEAT_OF not in t.user_attrs
-                   and t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+        counted = studies.counted_trials(study)
         if not counted:
             continue
         keys = Counter(studies.canonical(t.params) for t in counted)

@@ -34,8 +34,7 @@ def baselines(db: Path | None) -> dict[tuple[str, str], float]:
 
 
 def study_table(study: optuna.Study) -> dict:
-    counted = [t for t in study.get_trials(deepcopy=False)
-               if t.user_attrs.get(studies.COUNTED) and studies.REPEAT_OF not in t.user_attrs]
+    counted = studies.counted_trials(study)
     varying = sorted({k for t in counted for k in t.params
                       if len({json.dumps(u.params.get(k)) for u in counted}) > 1})
     done = sorted((t for t in counted if t.state == TrialState.COMPLETE), key=lambda t: t.value)

@@ -164,9 +164,7 @@ class Replay:
     grid study's trial of the same configuration (its median and quartiles, or its failure)."""
 
     def __init__(self, grid_study: optuna.Study):
-        self.trials = {canonical(t.params): t for t in grid_study.get_trials(deepcopy=False)
-                       if t.user_attrs.get(studies.COUNTED) and studies.REPEAT_OF not in
-                       t.user_attrs and t.state.is_finished()}
+        self.trials = {canonical(t.params): t for t in studies.counted_trials(grid_study)}
 
     def compile(self, jobs: list[Job]) -> list[Outcome]:
         return [Outcome() for _ in jobs]
@@ -204,9 +202,7 @@ def open_run(storage, task: Task, sampler: str, seed: int) -> optuna.Study:
 
 def run_result(study: optuna.Study, sampler: str, seed: int, budget: int) -> dict[str, Any]:
     """Best-so-far latency after each counted trial (failures repeat the previous best)."""
-    counted = sorted((t for t in study.get_trials(deepcopy=False)
-                      if t.user_attrs.get(studies.COUNTED) and studies.REPEAT_OF not in
-                      t.user_attrs and t.state.is_finished()), key=lambda t: t.number)
+    counted = studies.counted_trials(study)
     curve, best, best_config = [], math.inf, None
     for t in counted:
         if t.value is not None and t.value < best:

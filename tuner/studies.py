@@ -157,6 +157,13 @@ class Ledger:
         return sorted(trials, key=lambda t: (t.value, canonical(t.params)))
 
 
+def counted_trials(study: optuna.Study) -> list[FrozenTrial]:
+    """The trials `--trials` counts, in order: a compiled candidate told a latency or a failure,
+    repeats of an earlier verdict left out (what `read_ledger` counts)."""
+    return [t for t in study.get_trials(deepcopy=False, states=_EVALUATED)
+            if t.user_attrs.get(COUNTED) and REPEAT_OF not in t.user_attrs]
+
+
 def read_ledger(study: optuna.Study) -> Ledger:
     ledger = Ledger()
     now = dt.datetime.now()
