@@ -25,6 +25,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+from tileops.dispatch import pass_configs
 from tileops.ops import SPECS, get_spec
 from tileops.spec import OpSpec
 from tileops.target import Target
@@ -62,7 +63,7 @@ def build_source(spec: OpSpec, problem: tuple, config: dict, target: Target) -> 
     import tilelang
     import tvm
 
-    configs = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True} if spec.fast_math else {}
+    configs = pass_configs(target, spec.fast_math)
     with tvm.transform.PassContext(config=configs), tvm.target.Target(target.tilelang()):
         return tilelang.lower(spec.build(problem, config, target),
                               target=target.tilelang()).kernel_source
@@ -70,13 +71,11 @@ def build_source(spec: OpSpec, problem: tuple, config: dict, target: Target) -> 
 
 def compile_cubin(source: str, target: Target, fast_math: bool) -> bytes:
     """The cubin TileLang would load for this source (its own nvcc call and flags)."""
-    import tilelang
     import tvm
     from tilelang.cuda.backend import tilelang_callback_cuda_compile
 
-    configs = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True} if fast_math else {}
     return bytes(tilelang_callback_cuda_compile(source, tvm.target.Target(target.tilelang()),
-                                                configs))
+                                                pass_configs(target, fast_math)))
 
 
 def cuobjdump() -> str:

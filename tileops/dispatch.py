@@ -48,9 +48,17 @@ def _compile(func: Any, target: Target, fast_math: bool = False) -> Any:
     if target.kind == "cpu":
         # TileLang's C target compiles without optimisation by default (about 15x slower).
         return tilelang.compile(func, target="c", compile_flags=["-O3"])
-    configs = ({tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
-               if fast_math and target.kind == "cuda" else None)
-    return tilelang.compile(func, target=target.tilelang(), pass_configs=configs)
+    return tilelang.compile(func, target=target.tilelang(),
+                            pass_configs=pass_configs(target, fast_math) or None)
+
+
+def pass_configs(target: Target, fast_math: bool) -> dict[Any, Any]:
+    """TileLang pass configuration of a GPU compile: fast math where the operator asks for it
+    (CUDA only; TileLang's other backends take no such flag)."""
+    import tilelang
+
+    return ({tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+            if fast_math and target.kind == "cuda" else {})
 
 
 def lower(func: Any, target: Target, device_compile: bool = False) -> Any:
