@@ -19,12 +19,7 @@ import tilelang.cpu.language as TC
 import tilelang.language as T
 
 from ..common import ACCUM, LN2, LOG2E, bits, from_f32, softmax_offset, to_f32
-from ..online_softmax import online_softmax
-
-# CUDA fast math: exp2 compiles to one `ex2.approx` (exp2f otherwise adds range handling around
-# it), and the softmax's exponentials are most of its instructions; the error stays far below
-# the bf16/fp16 output's rounding.
-FAST_MATH = True
+from ..online_softmax import FAST_MATH, online_softmax  # noqa: F401 (FAST_MATH: spec.fast_math)
 
 
 def _kv_blocks(q_start, block_M: int, block_N: int, seqlen_q, seqlen_kv, causal: bool):

@@ -22,16 +22,11 @@ import tilelang.cpu.language as TC
 import tilelang.language as T
 
 from ..common import ACCUM, LN2, bits, from_f32, softmax_offset, to_f32
-from ..online_softmax import online_softmax
+from ..online_softmax import FAST_MATH, online_softmax  # noqa: F401 (FAST_MATH: spec.fast_math)
 
 PAGE = 64  # cache page size (rows per block of kv_cache)
 D_LATENT, D_ROPE = 512, 64
 D_QK = D_LATENT + D_ROPE
-
-# CUDA fast math: exp2 compiles to one `ex2.approx` (exp2f otherwise adds range handling around
-# it), and the softmax's exponentials are most of its instructions; the error stays far below
-# the bf16/fp16 output's rounding.
-FAST_MATH = True
 
 
 def gpu_program(h_q: int, s_q: int, dtype: str, *, block_H: int, block_N: int, num_stages: int,
