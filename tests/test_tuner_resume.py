@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -12,11 +13,16 @@ from collections import Counter
 from pathlib import Path
 
 import optuna
+import pytest
 from optuna.trial import TrialState
 
 from tileops.db import TuningDB
+from tileops.ops import get_spec
+from tileops.target import resolve_device
 from tuner import studies
 from tuner.cli import tune_main
+from tuner.progress import Progress
+from tuner.search import Limits, Task, search
 
 SPACE = {"block_M": [16, 64], "block_N": [32, 64], "block_K": [64]}
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,3 +163,42 @@ def test_reaper_fails_only_trials_whose_worker_is_gone(monkeypatch):
     requeued = study.get_trials(states=(TrialState.WAITING,))
     # Its configuration is asked again.
     assert [t.system_attrs["fixed_params"] for t in requeued] == [mine.params]
+
+
+def test_ctrl_c_while_asking_leaves_an_owned_trial_that_is_given_back(monkeypatch):
+    study = optuna.create_study(sampler=studies.make_sampler("grid", SPACE, 0))
+    asked = study.ask
+
+    def ask_then_ctrl_c():
+        trial = asked()
+        os.kill(os.getpid(), signal.SIGINT)  # lands before the owner is written
+        return trial
+
+    monkeypatch.setattr(study, "ask", ask_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        studies.ask(study, SPACE)
+    (trial,) = study.get_trials(deepcopy=False)
+    assert trial.state == TrialState.RUNNING  # held until its owner and configuration were written
+    assert trial.user_attrs[studies.OWNER] == studies.owner_id() and studies.in_space(trial.params,
+                                                                                      SPACE)
+    assert studies.release_own(study, SPACE, "interrupted") == 1
+    (requeued,) = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+    assert requeued.system_attrs["fixed_params"] == trial.params
+
+
+def test_search_gives_back_trials_asked_but_not_yet_evaluated(monkeypatch):
+    # Ctrl-C between asking for a trial and compiling it (here: while checking its configuration).
+    spec = get_spec("gemm")
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(spec, "check_config", interrupted)
+    target, _ = resolve_device("cpu")
+    task = Task(spec, target, "cpu", spec.parse_problem("64x128x128", "float32"), SPACE)
+    study = optuna.create_study(sampler=studies.make_sampler("grid", SPACE, 0))
+    with pytest.raises(KeyboardInterrupt):
+        search(None, study, task, Limits(trials=4), Progress(quiet=True), batch=1,
+               time_baseline=False)
+    states = Counter(t.state for t in study.get_trials(deepcopy=False))
+    assert states == {TrialState.FAIL: 1, TrialState.WAITING: 1}

@@ -85,14 +85,18 @@ def search(session: Session, study: optuna.Study, task: Task, limits: Limits,
     baseline = (session.measure(task.job(None), seed)
                 if time_baseline and stopped is None else None)
     progress.begin(task.label, limits.trials, ledger, baseline)
-    while stopped is None:
-        remaining = limits.trials - ledger.counted - ledger.running
-        candidates, repeats = _ask_batch(study, task, ledger, min(remaining, batch), repeats)
-        if candidates:
-            _evaluate(session, study, task, candidates, limits, started, progress, seed)
-        studies.reap_interrupted(study, task.space)  # trials of workers that died meanwhile
-        ledger = studies.read_ledger(study)
-        stopped = _stop_reason(ledger, task, limits, started, repeats)
+    try:
+        while stopped is None:
+            remaining = limits.trials - ledger.counted - ledger.running
+            candidates, repeats = _ask_batch(study, task, ledger, min(remaining, batch), repeats)
+            if candidates:
+                _evaluate(session, study, task, candidates, limits, started, progress, seed)
+            studies.reap_interrupted(study, task.space)  # trials of workers that died meanwhile
+            ledger = studies.read_ledger(study)
+            stopped = _stop_reason(ledger, task, limits, started, repeats)
+    except BaseException:  # Ctrl-C or an error anywhere, even between asking and evaluating
+        studies.release_own(study, task.space, "interrupted before it was measured")
+        raise
     progress.end(ledger, stopped)
     return SearchReport(ledger, baseline, stopped, ledger.counted - first_count)
 

@@ -24,7 +24,11 @@ import json
 import logging
 import math
 import os
+import signal
 import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,6 +85,7 @@ def study_name(prefix: str, op: str, target_key: tuple[str, str, str], problem: 
                space: Space) -> str:
     kind, arch, device = target_key
     return f"{prefix}:{op}:{kind}:{arch}:{device}:{canonical(problem)}:{space_hash(space)}"
+
 
 
 def open_study(storage: BaseStorage, name: str, sampler: str, space: Space, seed: int = 0,
@@ -206,9 +211,41 @@ _EVALUATED = (TrialState.COMPLETE, TrialState.PRUNED)
 
 # ---- writing trials -----------------------------------------------------------------------------
 def ask(study: optuna.Study, space: Space) -> tuple[Trial, Config]:
-    trial = study.ask()
-    trial.set_user_attr(OWNER, owner_id())
-    return trial, suggest(trial, space)
+    """A new trial, owned by this process, with its configuration: written as one step, so that a
+    Ctrl-C never leaves a running trial without an owner or a complete configuration."""
+    with _signals_deferred():
+        trial = study.ask()
+        trial.set_user_attr(OWNER, owner_id())
+        return trial, suggest(trial, space)
+
+
+@contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM until the block ends, then deliver them (main thread only: the
+    only thread Python runs signal handlers in)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    held = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in held}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for s in caught[:1]:
+            signal.raise_signal(s)
+
+
+def release_own(study: optuna.Study, space: Space, reason: str) -> int:
+    """Give back every trial this process still runs (its search is ending on an exception)."""
+    me = owner_id()
+    mine = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            if t.user_attrs.get(OWNER) == me]
+    for t in mine:
+        release(study, t, reason, requeue=in_space(t.params, space))
+    return len(mine)
 
 
 def tell_value(study: optuna.Study, trial: Trial, value: float, **attrs: Any) -> None:
