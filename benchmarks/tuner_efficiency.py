@@ -14,6 +14,10 @@ out of the comparison.
 With `--replay`, random and TPE are not measured at all: their searches run through the same loop
 as a real sweep (same sampler, constraint checks, repeats), but each configuration's latency is
 the one the grid measured. The grid is then the only device work, and many seeds cost seconds.
+With `--replay-stored`, no device is used at all: random and TPE are replayed against the complete
+grids already in `--storage` (measured earlier, on whatever device), `--space` being the grid's
+whole space. Both replays take the grid's constraint verdicts too, so that a configuration the
+grid refused is refused again even where the spec's checks have changed since.
 
 Resumable: every study lives in the Optuna journal beside the results (`--storage`), so running
 the same command again continues where it stopped; `--time-budget S` stops starting trials after S
@@ -25,11 +29,19 @@ and on this CPU, with a tiny space (`--plot-from FILE.json` draws the plot elsew
 
     python3 benchmarks/tuner_efficiency.py --device cpu --suite quickstart --problems 1 \
         --space '{"block_M": [16, 64], "block_N": [32, 64], "block_K": [64]}' --seeds 1
+
+and, anywhere, ten seeds per sampler replayed against the grids measured on the H200:
+
+    python3 benchmarks/tuner_efficiency.py --replay-stored --seeds 10 \
+        --storage benchmarks/results/h200/tuner_efficiency.journal \
+        --space "$(python3 -c 'import json; print(json.dumps(json.load(open(
+            "benchmarks/results/h200/tuner_efficiency.json"))["space"]))')"
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -46,7 +58,7 @@ import torch
 
 from tileops.db.storage import canonical
 from tileops.ops import get_spec
-from tileops.target import resolve_device
+from tileops.target import Target, resolve_device
 from tileops.version import __version__
 from tuner import studies, suites
 from tuner.child import Outcome
@@ -67,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         plot(json.loads(path.read_text()), path.with_suffix(".png"))
         return 0
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if args.replay_stored:
+        return replay_stored(args)
     target, device = resolve_device(args.device)
     suite = suites.load(args.suite, [args.dtype] if args.dtype else None)
     spec = get_spec(suite.op)
@@ -97,9 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             replay: Replay | None = None
             for sampler, seed, trials in runs:
                 if replay is not None:  # a sampler's search answered by the grid's timings
-                    study = open_run(optuna.storages.InMemoryStorage(), task, sampler, seed)
-                    search(replay, study, task, Limits(trials), progress, jobs, seed,
-                           time_baseline=False)
+                    study = replay.run(task, sampler, seed, trials, progress, jobs)
                 else:
                     study = open_run(storage, task, sampler, seed)
                     result = search(session, study, task, Limits(trials, deadline=deadline),
@@ -129,6 +141,60 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def replay_stored(args: argparse.Namespace) -> int:
+    """Random and TPE replayed against every complete grid of `--space` in `--storage`."""
+    if not (args.storage and args.space):
+        raise SystemExit("--replay-stored needs --storage (where the grids are) and --space "
+                         "(the grids' whole space)")
+    space = json.loads(args.space)
+    storage = studies.open_storage(args.storage)
+    progress = Progress(quiet=args.quiet, tty=False)
+    jobs = args.jobs or os.cpu_count() or 1  # trials asked at once, as a sweep here would
+    entries, skipped, target = [], [], None
+    for name in optuna.get_all_study_names(storage):
+        parsed = studies.parse_study_name(name)
+        if parsed is None or parsed.prefix != run_prefix("grid", 0) \
+                or parsed.space_hash != studies.space_hash(space):
+            continue
+        grid_study = optuna.load_study(study_name=name, storage=storage)
+        spec, target = get_spec(parsed.op), Target(*parsed.target_key)
+        task = Task(spec, target, "replay", spec.problem_from_dict(parsed.problem), space)
+        if studies.read_ledger(grid_study).seen < studies.grid_size(space):
+            skipped.append(task.label)
+            continue
+        replay = Replay(grid_study)
+        valid = len(replay.trials)
+        budget = max(1, math.floor(args.fraction * valid))
+        entry: dict[str, Any] = {"op": spec.name, "problem": parsed.problem, "label": task.label,
+                                 "valid_configs": valid, "budget": budget,
+                                 "runs": [run_result(grid_study, "grid", 0, valid)],
+                                 "flops": spec.flops(task.problem)}
+        for sampler in ("random", "tpe"):
+            for seed in range(args.seeds):
+                study = replay.run(task, sampler, seed, budget, progress, jobs)
+                entry["runs"].append(run_result(study, sampler, seed, budget))
+        score(entry, latencies(grid_study))
+        entries.append(entry)
+    for label in skipped:
+        print(f"skipped (grid incomplete): {label}")
+    if target is None or not entries:
+        raise SystemExit(f"no complete grid of this space in {args.storage}")
+    entries.sort(key=lambda e: (e.pop("flops"), e["label"]))
+    report: dict[str, Any] = {
+        "op": ", ".join(sorted({e.pop("op") for e in entries})), "device": target.device,
+        "target": target.describe(), "fraction": args.fraction, "seeds": args.seeds,
+        "space": space, "replay": "stored", "storage": args.storage, "versions": versions(),
+        "problems": entries, "skipped_incomplete": skipped, "complete": not skipped}
+    report["summary"] = summarise(entries)
+    out_dir = Path(args.results_dir) if args.results_dir else ROOT / "results" / slug(target.device)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "tuner_efficiency_replayed.json"
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {path}")
+    plot(report, path.with_suffix(".png"))
+    return 0
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="auto")
@@ -146,13 +212,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--space", help="JSON dict replacing parameters of the space (tiny CPU runs)")
     p.add_argument("--storage", help="Optuna storage (default: a journal beside the results)")
     p.add_argument("--results-dir", help="default benchmarks/results/<device>/")
-    p.add_argument("--jobs", type=int, help="compile processes (default: all cores)")
+    p.add_argument("--jobs", type=int, help="compile processes, and trials asked at once (default: all cores)")
     p.add_argument("--trial-timeout", type=float, default=120.0)
     p.add_argument("--time-budget", type=float, metavar="S",
                    help="start no trial after S seconds; exit 3 if unfinished (run again)")
     p.add_argument("--replay", action="store_true",
                    help="replay random and TPE against the grid's measurements (no device work "
                         "beyond the grid)")
+    p.add_argument("--replay-stored", action="store_true",
+                   help="no device: replay random and TPE against the complete grids of --space "
+                        "already in --storage")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--plot-from", metavar="JSON",
                    help="only draw the plot of a results file (e.g. where matplotlib is)")
@@ -165,6 +234,22 @@ class Replay:
 
     def __init__(self, grid_study: optuna.Study):
         self.trials = {canonical(t.params): t for t in studies.counted_trials(grid_study)}
+        self.refused = {canonical(t.params): t.user_attrs.get(studies.REASON, "refused")
+                        for t in grid_study.get_trials(deepcopy=False)
+                        if t.user_attrs.get(studies.FAILURE) == "constraint"
+                        and studies.REPEAT_OF not in t.user_attrs}
+
+    def task(self, task: Task) -> Task:
+        """The task with the grid's constraint verdicts in place of the spec's checks."""
+        return dataclasses.replace(task, spec=_GridChecks(task.spec, self.refused))
+
+    def run(self, task: Task, sampler: str, seed: int, trials: int, progress: Progress,
+            jobs: int) -> optuna.Study:
+        """One sampler's search, in memory, answered from the grid."""
+        task = self.task(task)
+        study = open_run(optuna.storages.InMemoryStorage(), task, sampler, seed)
+        search(self, study, task, Limits(trials), progress, jobs, seed, time_baseline=False)
+        return study
 
     def compile(self, jobs: list[Job]) -> list[Outcome]:
         return [Outcome() for _ in jobs]
@@ -178,6 +263,19 @@ class Replay:
                                reason=t.user_attrs.get(studies.REASON, ""))
         q25, q75 = t.user_attrs.get("q25_us", t.value), t.user_attrs.get("q75_us", t.value)
         return Measurement(stats=Stats(t.value, q25, q75, 1))
+
+
+class _GridChecks:
+    """An operator spec whose constraint check answers as the grid run's did."""
+
+    def __init__(self, spec, refused: dict[str, str]):
+        self._spec, self._refused = spec, refused
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._spec, name)
+
+    def check_config(self, problem: tuple, config: dict[str, Any], target: Target) -> str | None:
+        return self._refused.get(canonical(config))
 
 
 def pick(spec, problems: list[tuple], n: int) -> list[tuple]:
@@ -194,8 +292,12 @@ def grid(space: dict[str, list]) -> list[dict[str, Any]]:
     return [dict(zip(space, v, strict=True)) for v in itertools.product(*space.values())]
 
 
+def run_prefix(sampler: str, seed: int) -> str:
+    return f"efficiency/{sampler}/{seed}"
+
+
 def open_run(storage, task: Task, sampler: str, seed: int) -> optuna.Study:
-    name = studies.study_name(f"efficiency/{sampler}/{seed}", task.spec.name, task.target.key,
+    name = studies.study_name(run_prefix(sampler, seed), task.spec.name, task.target.key,
                               task.spec.problem_dict(task.problem), task.space)
     return studies.open_study(storage, name, sampler, task.space, seed)
 

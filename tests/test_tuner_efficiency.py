@@ -35,7 +35,7 @@ def test_replay_answers_random_and_tpe_from_the_grid(tmp_path):
     args = [sys.executable, "benchmarks/tuner_efficiency.py", "--device", "cpu", "--suite",
             "quickstart", "--dtype", "bfloat16", "--problems", "1", "--seeds", "5",
             "--fraction", "0.5", "--space", json.dumps(SPACE), "--results-dir", str(tmp_path),
-            "--replay", "--quiet"]
+            "--replay", "--quiet", "--jobs", "2"]
     subprocess.run(args, cwd=ROOT, check=True, timeout=300, capture_output=True)
     report = json.loads((tmp_path / "tuner_efficiency.json").read_text())
     assert report["complete"] and report["replay"]
@@ -45,3 +45,12 @@ def test_replay_answers_random_and_tpe_from_the_grid(tmp_path):
     assert len(runs) == 10 and all(r["trials"] == 2 for r in runs)
     for run in runs:  # every latency a replayed run saw is the grid's measurement of that config
         assert run["best_us"] == run["grid_us_of_best"]
+    # Offline, from the stored grid alone: the same searches, the same results.
+    stored = [sys.executable, "benchmarks/tuner_efficiency.py", "--replay-stored", "--seeds", "5",
+              "--fraction", "0.5", "--space", json.dumps(SPACE), "--results-dir", str(tmp_path),
+              "--storage", str(tmp_path / "tuner_efficiency.journal"), "--quiet", "--jobs", "2"]
+    subprocess.run(stored, cwd=ROOT, check=True, timeout=300, capture_output=True)
+    offline = json.loads((tmp_path / "tuner_efficiency_replayed.json").read_text())
+    assert offline["complete"] and offline["device"] == report["device"]
+    assert offline["problems"][0]["runs"] == entry["runs"]
+    assert offline["summary"] == report["summary"]

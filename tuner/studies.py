@@ -87,6 +87,31 @@ def study_name(prefix: str, op: str, target_key: tuple[str, str, str], problem: 
     return f"{prefix}:{op}:{kind}:{arch}:{device}:{canonical(problem)}:{space_hash(space)}"
 
 
+@dataclass(frozen=True)
+class StudyName:
+    """What `study_name` wrote, read back (for tools that work on stored studies offline)."""
+
+    prefix: str
+    op: str
+    target_key: tuple[str, str, str]
+    problem: dict[str, Any]
+    space_hash: str
+
+
+def parse_study_name(name: str) -> StudyName | None:
+    """The parts of a `study_name`; None for a name it did not write."""
+    parts = name.split(":", 5)
+    if len(parts) != 6 or ":" not in parts[5]:
+        return None
+    problem, _, hashed = parts[5].rpartition(":")
+    try:
+        problem_dict = json.loads(problem)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(problem_dict, dict):
+        return None
+    return StudyName(parts[0], parts[1], (parts[2], parts[3], parts[4]), problem_dict, hashed)
+
 
 def open_study(storage: BaseStorage, name: str, sampler: str, space: Space, seed: int = 0,
                stream: int = 0) -> optuna.Study:
