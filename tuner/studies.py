@@ -248,11 +248,12 @@ def ask(study: optuna.Study, space: Space) -> tuple[Trial, Config]:
 def _signals_deferred() -> Iterator[None]:
     """Hold SIGINT and SIGTERM until the block ends, then deliver them (main thread only: the
     only thread Python runs signal handlers in)."""
-    if threading.current_thread() is not threading.main_thread():
+    held = (signal.SIGINT, signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() \
+            or any(signal.getsignal(s) is None for s in held):  # a handler Python cannot restore
         yield
         return
     caught: list[int] = []
-    held = (signal.SIGINT, signal.SIGTERM)
     previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in held}
     try:
         yield
