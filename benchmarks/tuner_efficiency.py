@@ -212,7 +212,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--space", help="JSON dict replacing parameters of the space (tiny CPU runs)")
     p.add_argument("--storage", help="Optuna storage (default: a journal beside the results)")
     p.add_argument("--results-dir", help="default benchmarks/results/<device>/")
-    p.add_argument("--jobs", type=int, help="compile processes, and trials asked at once (default: all cores)")
+    p.add_argument("--jobs", type=int,
+                   help="compile processes, and trials asked at once (default: all cores)")
     p.add_argument("--trial-timeout", type=float, default=120.0)
     p.add_argument("--time-budget", type=float, metavar="S",
                    help="start no trial after S seconds; exit 3 if unfinished (run again)")
