@@ -169,6 +169,9 @@ def _bad(**change):
          "contiguous"),
         ({"cache_seqlens": lambda s: s.to("meta")}, ValueError, "different devices"),
         ({"q": [[1.0]]}, TypeError, "q must be a tensor"),
+        ({"softmax_scale": -0.1}, ValueError, "softmax_scale must be positive"),
+        ({"softmax_scale": 0.0}, ValueError, "softmax_scale must be positive"),
+        ({"softmax_scale": float("nan")}, ValueError, "softmax_scale must be positive"),
     ],
 )
 def test_bad_input_is_refused_clearly(change, exc, match):

@@ -92,6 +92,8 @@ class MlaDecodeSpec(OpSpec):
         longest = _check_table(kv_cache, block_table, cache_seqlens, s_q, validate)
         if softmax_scale is None:
             softmax_scale = D_QK ** -0.5
+        elif not 0 < softmax_scale < math.inf:  # the kernels take the row max of unscaled scores
+            raise ValueError(f"softmax_scale must be positive and finite, got {softmax_scale}")
         problem = MlaProblem(B, pow2_bucket(longest), h_q, s_q, dtype_name(q.dtype))
         args = MlaArgs(q.contiguous().view(B, s_q * h_q, D_QK), kv_cache, block_table,
                        cache_seqlens, float(softmax_scale) * LOG2E, s_q, h_q)
