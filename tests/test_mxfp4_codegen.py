@@ -3,6 +3,7 @@ Metal."""
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -10,7 +11,10 @@ from test_codegen import H200
 
 from tileops.dispatch import lower
 from tileops.ops.mxfp4 import MXFP4_GEMM
+from tileops.ops.mxfp4.spec import _fused_smem
 from tileops.target import Target
+
+A100 = Target("cuda", "sm_80", "codegen", 108)
 
 
 def source(M: int, N: int, K: int, target: Target = H200, **config) -> str:
@@ -93,3 +97,28 @@ def test_scale_rows_longer_than_a_tma_box_still_load_once():
     # 8192x28672 split in two: 448 scales per row and CTA, over TMA's 256-element box.
     src = source(1, 8192, 28672, dequant="bf16x2", block_N=128, split_k=2)
     assert src.count("tma_load(S_desc") >= 1 and "mbarrier" in src
+
+
+@pytest.mark.parametrize(("target", "shape", "config"), [
+    (H200, (16, 8192, 8192), {}),  # bits: the decoded tile is one per stage on Hopper
+    (H200, (128, 8192, 28672), {}),  # every step's scales do not fit: one step's per stage
+    (H200, (128, 8192, 28672), {"dequant": "lut", "block_M": 32, "block_K": 128,
+                                "num_stages": 4, "split_k": 2}),
+    (H200, (64, 4096, 14336), {"block_M": 32, "block_N": 32, "block_K": 512, "split_k": 4,
+                               "swap_ab": 0}),  # the scale tile rounded up to 1 KiB
+    (H200, (16, 200, 96), {"dequant": "bf16x2", "block_K": 128, "num_stages": 2, "swap_ab": 0,
+                           "split_k": 1}),
+    (A100, (16, 8192, 8192), {}),  # one decoded tile off Hopper
+    (A100, (128, 8192, 28672), {"dequant": "reg", "block_N": 32, "block_K": 512,
+                                "swap_ab": 1}),
+], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else None)
+def test_shared_memory_estimate_covers_what_tilelang_allocates(target, shape, config):
+    # check_config refuses by this estimate, and build decides where the scales go by it: an
+    # estimate under the allocation lets through kernels the GPU refuses to launch.
+    problem = MXFP4_GEMM.Problem(*shape, "bfloat16")
+    config = {**MXFP4_GEMM.default_config(problem, target), **config}
+    assert MXFP4_GEMM.check_config(problem, config, target) is None
+    estimate, _ = _fused_smem(problem, config, target)
+    script = lower(MXFP4_GEMM.build(problem, config, target), target).device_mod.script()
+    allocated = max(int(v) for v in re.findall(r'"dyn_shared_memory_buf": (\d+)', script))
+    assert allocated <= estimate <= allocated + 2048

@@ -30,15 +30,19 @@ def test_matches_float64_reference_through_dispatch(M, N, K, dtype):
     assert torch.equal(ref, MXFP4_GEMM.reference((a, w_fp4, w_scale)))
 
 
-def test_weight_at_an_odd_address():
-    # The kernels read the packed weight as 32-bit words: a weight view starting at an odd byte
-    # is copied to an aligned buffer, not misread.
-    a, w_fp4, w_scale = inputs(3, 8, 64)
-    buffer = torch.empty(w_fp4.numel() + 1, dtype=torch.uint8)
-    shifted = buffer[1:].view(w_fp4.shape)
-    shifted.copy_(w_fp4)
+@pytest.mark.parametrize("which", [1, 2])
+def test_weight_or_scales_at_an_odd_address(which):
+    # The kernels read the packed weight as 32-bit words, and GPU kernels load scales by TMA
+    # (16-byte aligned): views starting at an odd byte are copied to aligned buffers, not misread.
+    args = list(inputs(3, 8, 64))
+    buffer = torch.empty(args[which].numel() + 1, dtype=torch.uint8)
+    shifted = buffer[1:].view(args[which].shape)
+    shifted.copy_(args[which])
     assert shifted.data_ptr() % 4 and shifted.is_contiguous()
-    assert torch.equal(tileops.mxfp4_gemm(a, shifted, w_scale), tileops.mxfp4_gemm(a, w_fp4, w_scale))
+    moved = [shifted if i == which else x for i, x in enumerate(args)]
+    weight = MXFP4_GEMM.prepare(*moved).args[1]
+    assert weight.fp4.data_ptr() % 16 == weight.scale.data_ptr() % 16 == 0
+    assert torch.equal(tileops.mxfp4_gemm(*moved), tileops.mxfp4_gemm(*args))
 
 
 @pytest.mark.parametrize("dequant", ["bits", "lut"])

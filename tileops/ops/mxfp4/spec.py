@@ -76,6 +76,8 @@ class Mxfp4GemmSpec(OpSpec):
             w_fp4, w_scale = w_fp4.contiguous(), w_scale.contiguous()
         if w_fp4.data_ptr() % 16:  # the kernels read 32-bit words (and GPUs load 16-byte rows)
             w_fp4 = w_fp4.clone()
+        if w_scale.data_ptr() % 16:  # scales loaded once per CTA come by TMA: 16-byte aligned
+            w_scale = w_scale.clone()
         problem = Mxfp4Problem(1 << (M - 1).bit_length(), N, K, dtype_name(a.dtype))
         return Call(a.device, problem, (a, PackedWeight(w_fp4, w_scale)))
 
@@ -167,7 +169,7 @@ class Mxfp4GemmSpec(OpSpec):
         ctas = config.get("ctas_per_sm", 1)
         if ctas > 1 and (target.kind != "cuda" or config["dequant"] == "global"):
             return "ctas_per_sm caps registers of the fused CUDA kernels only"
-        if smem * ctas > limit:
+        if ctas * (smem + 1024) > limit + 1024:  # an SM: the block limit + 1 KiB, 1 KiB per block
             return f"shared memory {ctas} x {smem // 1024} KiB > {limit // 1024} KiB"
         if bm * bn // threads > 128:
             return f"{bm * bn // threads} accumulators per thread (> 128 registers)"
@@ -228,16 +230,31 @@ MXFP4_GEMM = Mxfp4GemmSpec()
 
 def _fused_smem(problem: Mxfp4Problem, config: Config, target: Target) -> tuple[int, bool]:
     """Shared memory of the fused kernels (bytes), and whether it holds the scales of every K
-    step (loaded once, off the loop's critical path) rather than one step's: the former wherever
-    it fits. TileLang's Metal code has no 16-byte uint8 vectors, which a scale row needs."""
+    step (loaded once, off the loop's critical path) rather than one step's per stage: the former
+    wherever it fits. TileLang's Metal code has no 16-byte uint8 vectors, which a scale row needs.
+
+    The sum follows the buffers TileLang allocates (checked against the lowered kernels by
+    tests/test_mxfp4_codegen.py), each rounded up to the 1 KiB it aligns them to."""
     bm, bn, bk = config["block_M"], config["block_N"], config["block_K"]
+    stages = max(config["num_stages"], 1)
     esize = DTYPE_SIZES[problem.dtype]
-    decoded = 0 if config["dequant"] == "reg" else bn * bk * esize
-    base = max(config["num_stages"], 1) * (bm * bk * esize + bn * bk // 2) + decoded + 64
+    # The decoded B tile: none in registers; one per stage where the Hopper (TMA, warp-specialised)
+    # pipeline sees the decode write it inside the loop; one elsewhere (bf16x2 writes it through
+    # a call the pipeline cannot see into).
+    tiles = {"reg": 0, "bf16x2": 1}.get(config["dequant"],
+                                        stages if target.arch.startswith("sm_90") else 1)
+    base = (_kib(stages * bm * bk * esize) + _kib(stages * bn * bk // 2)
+            + _kib(tiles * bn * bk * esize) + 64)
+    if config["dequant"] == "lut":
+        base += 1024  # the E2M1 value table
     if config["dequant"] == "bf16x2":
-        base += bn * bk // BLOCK * 4  # a step's scales as bf16 pairs
+        base += _kib(bn * bk // BLOCK * 4)  # a step's scales as bf16 pairs
     steps = -(-problem.K // bk) // config.get("split_k", 1)
-    every_step = base + bn * kernels.scale_columns(bk // BLOCK * steps)
+    every_step = base + _kib(bn * kernels.scale_columns(bk // BLOCK * steps))
     if target.kind != "metal" and every_step <= smem_limit(target.arch):
         return every_step, True
-    return base + bn * bk // BLOCK, False
+    return base + _kib(stages * bn * bk // BLOCK), False
+
+
+def _kib(nbytes: int) -> int:
+    return -(-nbytes // 1024) * 1024
