@@ -12,6 +12,8 @@ from tileops.dispatch import lower
 from tileops.ops.attention import ATTENTION
 from tileops.target import Target
 
+A100 = Target("cuda", "sm_80", "codegen", 108)
+
 
 def test_attention_lowers_to_wgmma_on_sm90a():
     problem = ATTENTION.Problem(2, 1024, 1024, 32, 8, 128, False, "bfloat16")
@@ -70,3 +72,19 @@ def test_softmax_kernels_compile_with_cuda_fast_math(monkeypatch):
     dispatch._compile(None, H200, fast_math=False)
     fast = tilelang.PassConfigKey.TL_ENABLE_FAST_MATH
     assert [kw["pass_configs"] for kw in seen] == [{fast: True}, None, None]
+
+
+@pytest.mark.parametrize(("config", "lowers"), [
+    ({"block_M": 128, "block_N": 64, "num_stages": 1, "threads": 256}, True),
+    ({"block_M": 64, "block_N": 64, "num_stages": 2, "threads": 128, "overlap": 1}, True),
+    ({"block_M": 128, "block_N": 64, "num_stages": 2, "threads": 256}, False),  # the planner
+    ({"block_M": 64, "block_N": 64, "num_stages": 1, "threads": 256}, False),  # 8 rows per warp
+])
+def test_sm80_configurations_refused_where_tilelang_cannot_lower_them(config, lowers):
+    # Refused before compiling: a tuning trial on an A100 costs no compile for them.
+    problem = ATTENTION.Problem(2, 1024, 1024, 32, 8, 64, True, "bfloat16")
+    config = {**ATTENTION.default_config(problem, A100), **config}
+    reason = ATTENTION.check_config(problem, config, A100)
+    assert (reason is None) == lowers
+    if lowers:
+        assert "mma" in lower(ATTENTION.build(problem, config, A100), A100).kernel_source

@@ -25,6 +25,8 @@ def check_decode_knobs(M: int, K: int, config: dict, arch: str, min_block_M: int
     split, swap = config.get("split_k", 1), config.get("swap_ab", 0)
     if swap and arch.startswith("sm_90") and bn % (64 * (threads // 128)):
         return f"wgmma needs block_N (swap_ab) a multiple of 64 per warpgroup ({threads // 128})"
+    if swap and not arch.startswith("sm_90") and not _mma_warp_layout(bn, bm, threads // 32):
+        return f"no layout of {threads // 32} mma warps covers the swapped {bn}x{bm} tile"
     if swap and bm * bn * 4 > smem_limit(arch):  # the transposing epilogue tile (fp32)
         return f"swap_ab epilogue tile {bm * bn * 4 // 1024} KiB > {smem_limit(arch) // 1024} KiB"
     if bm > max(M, 16 if swap else min_block_M):
@@ -36,6 +38,13 @@ def check_decode_knobs(M: int, K: int, config: dict, arch: str, min_block_M: int
         if k_steps % split or k_steps // split < 2:
             return f"split_k {split} does not divide {k_steps} K steps into >= 2 each"
     return None
+
+
+def _mma_warp_layout(rows: int, cols: int, warps: int) -> bool:
+    """Whether `warps` tile a rows x cols mma tile in whole 16x8 blocks each (the warp partition
+    TileLang's T.gemm needs below sm_90)."""
+    return any(warps % m == 0 and rows % (16 * m) == 0 and cols % (8 * (warps // m)) == 0
+               for m in range(1, warps + 1))
 
 
 def decode_split_k(N: int, K: int, block_N: int, block_K: int, units: int) -> int:

@@ -207,6 +207,12 @@ class AttentionSpec(OpSpec):
             return f"{regs} accumulator registers per thread (> 192)"
         if target.arch.startswith("sm_90") and bm % (64 * (threads // 128)) != 0:
             return f"wgmma needs block_M a multiple of 64 per warpgroup ({threads // 128})"
+        if target.kind == "cuda" and not target.arch.startswith("sm_90"):  # mma, TileLang's
+            # software pipeline planner: both fail to lower these (checked on sm_80)
+            if bm < 16 * (threads // 32):
+                return f"mma needs 16 query rows per warp: block_M {bm} < {threads // 32} x 16"
+            if stages > 1 and not config.get("overlap"):
+                return "below sm_90 the KV loop pipelines through overlap 1, not num_stages > 1"
         return None
 
     # ---- kernels --------------------------------------------------------------------------------
