@@ -147,32 +147,30 @@ def _evaluate(session: Session, study: optuna.Study, task: Task,
               progress: Progress, seed: int) -> None:
     """Compile the batch in parallel, then measure and tell each candidate in turn."""
     pending = list(candidates)
-    try:
-        compiled = session.compile([task.job(config) for _, config in candidates])
-        for outcome in compiled:
-            trial, config = pending[0]
-            if not limits.time_left(started):
-                break
-            twin = studies.earlier_twin(study, trial)
-            if twin is not None:  # another worker took the same configuration meanwhile
-                if twin.state.is_finished():
-                    studies.tell_repeat(study, trial, twin)
-                else:
-                    studies.repeat_in_flight(study, trial)
-                pending.pop(0)
-                continue
-            if outcome.error is not None:
-                error = outcome.error  # an exception is a compile error; else it hung or crashed
-                m = (Measurement(failure="compile", reason=error.reason) if error.kind == "error"
-                     else Measurement(failure=error.kind, reason=f"compiling: {error.reason}"))
+    compiled = session.compile([task.job(config) for _, config in candidates])
+    for outcome in compiled:
+        trial, config = pending[0]
+        if not limits.time_left(started):
+            break
+        twin = studies.earlier_twin(study, trial)
+        if twin is not None:  # another worker took the same configuration meanwhile
+            if twin.state.is_finished():
+                studies.tell_repeat(study, trial, twin)
             else:
-                m = session.measure(task.job(config), seed + trial.number + 1)
-            _tell(study, trial, m)
+                studies.repeat_in_flight(study, trial)
             pending.pop(0)
-            progress.update(studies.read_ledger(study), trial.number, config, m)
-    finally:  # time up, Ctrl-C or an error: give back what was not measured
-        for trial, _ in pending:
-            studies.release(study, trial, "interrupted before it was measured")
+            continue
+        if outcome.error is not None:
+            error = outcome.error  # an exception is a compile error; else it hung or crashed
+            m = (Measurement(failure="compile", reason=error.reason) if error.kind == "error"
+                 else Measurement(failure=error.kind, reason=f"compiling: {error.reason}"))
+        else:
+            m = session.measure(task.job(config), seed + trial.number + 1)
+        _tell(study, trial, m)
+        pending.pop(0)
+        progress.update(studies.read_ledger(study), trial.number, config, m)
+    for trial, _ in pending:  # time up (an exception: `search` gives back what we hold)
+        studies.release(study, trial, "interrupted before it was measured")
 
 
 def _tell(study: optuna.Study, trial: Trial, m: Measurement) -> None:
