@@ -22,6 +22,7 @@ from optuna.trial import TrialState
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tileops.db import TuningDB  # noqa: E402
+from tileops.db.storage import canonical  # noqa: E402
 from tuner import studies  # noqa: E402
 
 
@@ -66,9 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     tables = []
     for name in sorted(optuna.get_all_study_names(st)):
         table = study_table(optuna.load_study(study_name=name, storage=st))
-        # prefix:op:kind:arch:device:<problem JSON>:<space hash> (studies.study_name)
-        op, rest = name.split(":")[1], name.split(":", 5)[5]
-        table["baseline_us"] = base.get((op, rest.rsplit(":", 1)[0]))
+        parsed = studies.parse_study_name(name)
+        table["baseline_us"] = (base.get((parsed.op, canonical(parsed.problem)))
+                                if parsed else None)
         tables.append(table)
         print(f"\n{name}\n  fixed {json.dumps(table['fixed'], sort_keys=True)}")
         for row in table["measured"]:
