@@ -240,14 +240,11 @@ class Replay:
                         if t.user_attrs.get(studies.FAILURE) == "constraint"
                         and studies.REPEAT_OF not in t.user_attrs}
 
-    def task(self, task: Task) -> Task:
-        """The task with the grid's constraint verdicts in place of the spec's checks."""
-        return dataclasses.replace(task, spec=_GridChecks(task.spec, self.refused))
-
     def run(self, task: Task, sampler: str, seed: int, trials: int, progress: Progress,
             jobs: int) -> optuna.Study:
-        """One sampler's search, in memory, answered from the grid."""
-        task = self.task(task)
+        """One sampler's search, in memory, answered from the grid (its constraint verdicts in
+        place of the spec's checks)."""
+        task = dataclasses.replace(task, spec=_GridChecks(task.spec, self.refused))
         study = open_run(optuna.storages.InMemoryStorage(), task, sampler, seed)
         search(self, study, task, Limits(trials), progress, jobs, seed, time_baseline=False)
         return study
