@@ -6,13 +6,11 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from test_codegen import H200
+from test_codegen import A100, H200
 
 from tileops.dispatch import lower
 from tileops.ops.attention import ATTENTION
 from tileops.target import Target
-
-A100 = Target("cuda", "sm_80", "codegen", 108)
 
 
 def test_attention_lowers_to_wgmma_on_sm90a():

@@ -11,6 +11,7 @@ from tileops.ops.gemm import GEMM
 from tileops.target import Target
 
 H200 = Target("cuda", "sm_90a", "codegen", 132)
+A100 = Target("cuda", "sm_80", "codegen", 108)
 
 
 @pytest.mark.parametrize("layout", ["nk", "kn"])
@@ -41,13 +42,12 @@ def test_gemm_decode_variants_lower(swap_ab, split_k):
     (32, 256, False),  # 8 warps cannot tile a 32x16 mma tile in 16x8 blocks
 ])
 def test_swapped_mma_tiles_refused_where_no_warp_layout_covers_them(block_N, threads, lowers):
-    a100 = Target("cuda", "sm_80", "codegen", 108)
     problem = GEMM.Problem(16, 4096, 4096, "bfloat16", "nk", "bfloat16")
-    config = dict(GEMM.default_config(problem, a100), block_M=16, block_N=block_N, block_K=128,
+    config = dict(GEMM.default_config(problem, A100), block_M=16, block_N=block_N, block_K=128,
                   num_stages=2, threads=threads, swap_ab=1, split_k=1)
-    assert (GEMM.check_config(problem, config, a100) is None) == lowers
+    assert (GEMM.check_config(problem, config, A100) is None) == lowers
     if lowers:
-        assert "mma" in lower(GEMM.build(problem, config, a100), a100).kernel_source
+        assert "mma" in lower(GEMM.build(problem, config, A100), A100).kernel_source
 
 
 def test_gemm_odd_sizes_lower():

@@ -7,14 +7,12 @@ import re
 import shutil
 
 import pytest
-from test_codegen import H200
+from test_codegen import A100, H200
 
 from tileops.dispatch import lower
 from tileops.ops.mxfp4 import MXFP4_GEMM
 from tileops.ops.mxfp4.spec import _fused_smem
 from tileops.target import Target
-
-A100 = Target("cuda", "sm_80", "codegen", 108)
 
 
 def source(M: int, N: int, K: int, target: Target = H200, **config) -> str:
