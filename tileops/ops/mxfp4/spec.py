@@ -151,7 +151,7 @@ class Mxfp4GemmSpec(OpSpec):
             if config.get("split_k", 1) != 1:
                 return "the global dequantisation is for large M: split_k 1 only"
             smem = max(stages, 1) * (bm + bn) * bk * esize
-        else:  # A and packed W per stage; one decoded B tile (unless in registers); scales
+        else:  # the fused kernels: see `_fused_smem`
             smem = _fused_smem(problem, config, target)[0]
             if config["dequant"] == "bf16x2":
                 if target.kind != "cuda" or problem.dtype != "bfloat16":
