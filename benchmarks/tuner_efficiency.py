@@ -62,7 +62,7 @@ from tileops.target import Target, resolve_device
 from tileops.version import __version__
 from tuner import studies, suites
 from tuner.child import Outcome
-from tuner.evaluate import Job, Measurement
+from tuner.evaluate import ABANDONED, Job, Measurement
 from tuner.progress import Progress
 from tuner.search import Limits, Task, search
 from tuner.session import Session
@@ -234,6 +234,7 @@ class Replay:
     grid study's trial of the same configuration (its median and quartiles, or its failure)."""
 
     def __init__(self, grid_study: optuna.Study):
+        self._ready: list[tuple[Any, Outcome]] = []
         self.trials = {canonical(t.params): t for t in studies.counted_trials(grid_study)}
         self.refused = {canonical(t.params): t.user_attrs.get(studies.REASON, "refused")
                         for t in grid_study.get_trials(deepcopy=False)
@@ -249,16 +250,28 @@ class Replay:
         search(self, study, task, Limits(trials), progress, jobs, seed, time_baseline=False)
         return study
 
-    def compile(self, jobs: list[Job]) -> list[Outcome]:
-        return [Outcome() for _ in jobs]
+    overlap, free, compiling = True, 1 << 30, 0  # nothing to compile: every job is ready at once
 
-    def measure(self, job: Job, seed: int) -> Measurement:
+    def submit(self, tag: Any, job: Job) -> None:
+        self._ready.append((tag, Outcome()))
+
+    def finished(self, block: bool = False) -> list[tuple[Any, Outcome]]:
+        done, self._ready = self._ready, []
+        return done
+
+    def measure(self, job: Job, seed: int, program: Any = None,
+                abandon_above_us: float | None = None) -> Measurement:
+        """The grid's measurement of the configuration (abandoned where the search would have
+        abandoned it, the grid's latency standing in for the estimate)."""
         t = self.trials.get(canonical(job.config))
         if t is None:
             return Measurement(failure="unmeasured", reason="not in the grid's trials")
         if t.value is None:
             return Measurement(failure=t.user_attrs.get(studies.FAILURE, "error"),
                                reason=t.user_attrs.get(studies.REASON, ""))
+        if abandon_above_us is not None and t.value > abandon_above_us:
+            return Measurement(failure=ABANDONED, estimate_us=t.value,
+                               reason=f"grid latency {t.value:.3g} us > {abandon_above_us:.3g}")
         q25, q75 = t.user_attrs.get("q25_us", t.value), t.user_attrs.get("q75_us", t.value)
         return Measurement(stats=Stats(t.value, q25, q75, 1))
 

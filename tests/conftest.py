@@ -22,6 +22,10 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("TILEOPS_USER_DB", str(tmp_path / "user.sqlite"))
+    # The tuner's child processes time torch's CPU baseline: one thread, so that a hiccup of the
+    # shared CI cores cannot stall it (a stalled baseline contradicts its own timings, and the
+    # tuner then rightly records nothing).
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     for var in ("TILEOPS_TARGET", "TILELANG_DEFAULT_TARGET", "TILEOPS_CONFIG"):
         monkeypatch.delenv(var, raising=False)
     tileops.reset()

@@ -15,6 +15,7 @@ from pathlib import Path
 import optuna
 import pytest
 from optuna.trial import TrialState
+from tuner_helpers import FakeSession
 
 from tileops.db import TuningDB
 from tileops.ops import get_spec
@@ -198,7 +199,7 @@ def test_search_gives_back_trials_asked_but_not_yet_evaluated(monkeypatch):
     task = Task(spec, target, "cpu", spec.parse_problem("64x128x128", "float32"), SPACE)
     study = optuna.create_study(sampler=studies.make_sampler("grid", SPACE, 0))
     with pytest.raises(KeyboardInterrupt):
-        search(None, study, task, Limits(trials=4), Progress(quiet=True), batch=1,
-               time_baseline=False)
+        search(FakeSession(lambda config: 1.0), study, task, Limits(trials=4),
+               Progress(quiet=True), batch=1, time_baseline=False)
     states = Counter(t.state for t in study.get_trials(deepcopy=False))
     assert states == {TrialState.FAIL: 1, TrialState.WAITING: 1}

@@ -71,3 +71,50 @@ def _config_of(kernel) -> dict[str, Any]:
 
 
 FAULTY = FaultyGemm()
+
+
+class FakeSession:
+    """Stands in for `tuner.session.Session` in search tests: compiles nothing, answers each
+    measurement with the latency `latencies` gives a configuration (abandoning it where the
+    search asks), and remembers how many compiles were in flight at each measurement."""
+
+    def __init__(self, latencies, overlap=True, compilers=2, compile_rounds=1):
+        self.latencies, self.overlap, self.compilers = latencies, overlap, compilers
+        self.compile_rounds = compile_rounds  # finished() calls a compile takes
+        self._compiling = {}  # tag -> rounds left
+        self.in_flight_at_measure = []
+        self.measured = []
+
+    @property
+    def free(self):
+        return self.compilers - len(self._compiling)
+
+    @property
+    def compiling(self):
+        return len(self._compiling)
+
+    def submit(self, tag, job):
+        self._compiling[tag] = self.compile_rounds
+
+    def finished(self, block=False):
+        from tuner.child import Outcome
+
+        for tag in self._compiling:
+            self._compiling[tag] -= 1
+        done = [tag for tag, left in self._compiling.items() if left <= 0]
+        if block and not done and self._compiling:
+            done = [next(iter(self._compiling))]
+        for tag in done:
+            del self._compiling[tag]
+        return [(tag, Outcome()) for tag in done]
+
+    def measure(self, job, seed, program=None, abandon_above_us=None):
+        from tuner.evaluate import ABANDONED, Measurement
+        from tuner.timing import Stats
+
+        us = self.latencies(job.config) if job.config is not None else 10.0
+        self.in_flight_at_measure.append(len(self._compiling))
+        self.measured.append((job.config, abandon_above_us))
+        if abandon_above_us is not None and us > abandon_above_us:
+            return Measurement(failure=ABANDONED, estimate_us=us, reason="slow")
+        return Measurement(stats=Stats(us, us, us, 1, us))

@@ -28,15 +28,20 @@ log = logging.getLogger("tileops")
 Launcher = Callable[[tuple], torch.Tensor]
 
 
-def compile_kernel(spec: OpSpec, problem: tuple, config: Config, target: Target) -> Any:
-    """Compile (or fetch from the in-process memo) the kernel of `spec` for a configuration."""
+def compile_kernel(spec: OpSpec, problem: tuple, config: Config, target: Target,
+                   program: Any = None) -> Any:
+    """Compile (or fetch from the in-process memo) the kernel of `spec` for a configuration.
+
+    `program` is `spec.build(problem, config, target)` made elsewhere (the tuner builds in its
+    compile processes and hands the program over: building is most of a cached kernel's load).
+    """
     key = (spec.name, target.key, spec.kernel_key(problem), canonical(config))
     kernel = _kernels.get(key)
     if kernel is None:
         with _lock:
             kernel = _kernels.get(key)
             if kernel is None:
-                func = spec.build(problem, config, target)
+                func = program if program is not None else spec.build(problem, config, target)
                 kernel = spec.adapt(_compile(func, target, spec.fast_math), target)
                 _kernels[key] = kernel
     return kernel

@@ -207,6 +207,15 @@ class OpSpec(abc.ABC):
         """Largest accepted relative error ||out - ref|| / ||ref||."""
         return 1e-2
 
+    def check_sizes(self, problem: tuple) -> list[dict[str, int]]:
+        """Sizes of the bucketed fields at which the tuner checks a candidate against the
+        reference (each a `make_inputs` `sizes`): the bucket's largest ({}) and just above half
+        of it, where tiles run past the edge. A configuration must be right at every size of its
+        bucket; operators whose bucketed sizes interact add the combinations that exercise it."""
+        fields = self.problem_dict(problem)
+        inner = {f: fields[f] // 2 + 1 for f in self.bucketed if fields[f] > 2}
+        return [{}, inner] if inner else [{}]
+
 
 @functools.cache
 def _spaces(op: str) -> dict[str, dict[str, Any]]:

@@ -42,9 +42,10 @@ class Outcome:
 class Child:
     """One spawned process serving calls of picklable module-level functions, one at a time."""
 
-    def __init__(self, name: str, env: dict[str, str] | None = None):
+    def __init__(self, name: str, env: dict[str, str] | None = None, nice: int = 0):
         self.name = name
         self.env = env or {}
+        self.nice = nice  # added to the child's scheduling niceness (compilers yield to timing)
         self._process: mp.process.BaseProcess | None = None
         self._conn: mpc.Connection | None = None
         self._busy_since: float | None = None
@@ -68,8 +69,8 @@ class Child:
         saved = {k: os.environ.get(k) for k in self.env}
         os.environ.update(self.env)  # spawned children inherit the environment at start
         try:
-            self._process = ctx.Process(target=_serve, args=(child, os.getpid()), name=self.name,
-                                        daemon=True)
+            self._process = ctx.Process(target=_serve, args=(child, os.getpid(), self.nice),
+                                        name=self.name, daemon=True)
             self._process.start()
         finally:
             for k, v in saved.items():
@@ -127,36 +128,69 @@ class Child:
         self.kill()
 
 
+class Pool:
+    """Calls spread over children, each under a time limit, collected as they finish.
+
+    Single-threaded (the caller polls `finished`), so children are (re)started from the thread
+    that uses the pool. A child whose call passes its time limit is killed, its call answered with
+    a timeout, and restarted at its next call.
+    """
+
+    def __init__(self, children: list[Child], timeout: float):
+        self.timeout = timeout
+        self._idle = list(children)
+        self._running: dict[Any, tuple[Child, Any, float]] = {}  # connection -> call
+
+    @property
+    def idle(self) -> int:
+        return len(self._idle)
+
+    @property
+    def busy(self) -> int:
+        return len(self._running)
+
+    def submit(self, tag: Any, fn: Callable[..., Any], *args: Any) -> None:
+        """Start `fn(*args)` on an idle child (there must be one); `tag` names it in `finished`."""
+        child = self._idle.pop()
+        child.submit(fn, *args)
+        self._running[child.connection] = (child, tag, time.monotonic() + self.timeout)
+
+    def finished(self, block: bool = False) -> list[tuple[Any, Outcome]]:
+        """The calls that ended since the last look, as (tag, outcome); with `block`, wait until at
+        least one has (when any is running)."""
+        done: list[tuple[Any, Outcome]] = []
+        while self._running:
+            wait = max(0.0, min(d for _, _, d in self._running.values()) - time.monotonic())
+            for conn in mpc.wait(list(self._running), timeout=wait if block else 0):
+                child, tag, _ = self._running.pop(conn)
+                done.append((tag, _outcome(child.receive)))
+                self._idle.append(child)
+            now = time.monotonic()
+            for conn, (child, tag, deadline) in list(self._running.items()):
+                if now >= deadline:
+                    del self._running[conn]
+                    child.kill()
+                    done.append((tag, Outcome(error=ChildError(
+                        "timeout", f"no result after {self.timeout:g} s; child process killed"))))
+                    self._idle.append(child)
+            if done or not block:
+                break
+        return done
+
+
 def run_parallel(children: list[Child], fn: Callable[..., Any], items: Iterable[tuple],
                  timeout: float) -> list[Outcome]:
-    """Run `fn(*item)` for every item on the idle children, each call under `timeout` seconds.
-
-    Single-threaded (one `connection.wait` loop), so children are (re)started from this thread.
-    """
+    """Run `fn(*item)` for every item on the children, each call under `timeout` seconds."""
     pending = list(enumerate(items))
     results: list[Outcome | None] = [None] * len(pending)
-    idle = list(children)
-    running: dict[Any, tuple[Child, int, float]] = {}
+    pool = Pool(children, timeout)
     pending.reverse()
-    while pending or running:
-        while pending and idle:
-            child = idle.pop()
+    while pending or pool.busy:
+        while pending and pool.idle:
             index, item = pending.pop()
-            child.submit(fn, *item)
-            running[child.connection] = (child, index, time.monotonic() + timeout)
-        wait = max(0.0, min(deadline for _, _, deadline in running.values()) - time.monotonic())
-        for conn in mpc.wait(list(running), timeout=wait):
-            child, index, _ = running.pop(conn)
-            results[index] = _outcome(child.receive)
-            idle.append(child)
-        now = time.monotonic()
-        for conn, (child, index, deadline) in list(running.items()):
-            if now >= deadline:
-                del running[conn]
-                child.kill()
-                results[index] = Outcome(error=ChildError(
-                    "timeout", f"no result after {timeout:g} s; child process killed"))
-                idle.append(child)
+            pool.submit(index, fn, *item)
+        for index, outcome in pool.finished(block=True):
+            results[index] = outcome
     return [r if r is not None else Outcome(error=ChildError("crash", "lost")) for r in results]
 
 
@@ -178,10 +212,12 @@ def _exit_reason(code: int | None) -> str:
     return f"child process exited with code {code}"
 
 
-def _serve(conn: mpc.Connection, parent_pid: int) -> None:
+def _serve(conn: mpc.Connection, parent_pid: int, nice: int = 0) -> None:
     """The child's loop: receive (fn, args), send back ("ok", value) or ("error", text)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(parent_pid)
+    if nice:
+        os.nice(nice)
     while True:
         try:
             fn, args = conn.recv()

@@ -15,9 +15,11 @@ import argparse
 import itertools
 import json
 import logging
+import math
 import os
 import signal
 import sys
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -33,12 +35,13 @@ from tileops.ops import SPECS, get_spec
 from tileops.spec import OpSpec
 from tileops.target import Target, parse_override, resolve_device
 
-from . import studies, suites, sweep
+from . import cost, studies, suites, sweep
 from .dbcli import add_db_arguments, db_command
 from .dispatch_check import check_dispatch
 from .errors import UsageError
 from .evaluate import Job
 from .progress import Progress, table
+from .search import ABANDON
 from .session import compile_all
 
 log = logging.getLogger("tuner")
@@ -80,6 +83,16 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                    help="time limit of one compile and of one measurement (default 300)")
     p.add_argument("--retime-top", type=_positive(int), default=4, metavar="K",
                    help="re-time the K fastest configurations before recording (default 4)")
+    p.add_argument("--patience", type=_positive(int), metavar="N",
+                   help="stop a problem's search once N counted trials in a row gained under "
+                        "1%% on the best (tpe and random; default: search all --trials)")
+    p.add_argument("--abandon", type=_abandon_factor, default=ABANDON, metavar="F",
+                   help="abandon a candidate whose few-launch estimate is over F times the best "
+                        f"so far: counted, never timed in full nor recorded (default {ABANDON}; "
+                        "0: time every candidate in full)")
+    p.add_argument("--report", type=Path, metavar="FILE",
+                   help="append a JSON line of what the run cost (trials, seconds by part) to "
+                        "FILE; a sweep run in parts appends one line per part")
     p.add_argument("--no-warm-start", action="store_true",
                    help="do not enqueue the default and the nearest tuned problems' winners")
     p.add_argument("--lower", action="store_true",
@@ -105,6 +118,7 @@ def tune(args: argparse.Namespace) -> int:
         storage=args.storage or studies.default_storage(db), sampler=args.sampler,
         trials=args.trials, timeout=args.timeout, seed=args.seed,
         trial_timeout=args.trial_timeout, retime_top=args.retime_top, space=space,
+        patience=args.patience, abandon=args.abandon or None,
         warm_start=not args.no_warm_start, quiet=args.quiet,
         **({"jobs": args.jobs} if args.jobs else {}))
     if args.dry_run:
@@ -113,9 +127,18 @@ def tune(args: argparse.Namespace) -> int:
             return precompile(plan, Progress(quiet=args.quiet))
         return 0
     _check_writable(db)
+    if args.report:
+        try:
+            cost.check_writable(args.report)
+        except OSError as e:
+            raise UsageError(f"--report {args.report}: {e.strerror or e}") from None
     log.info("tuning %d %s problem(s) on %s with %d worker(s); records go to %s, studies to %s",
              len(problems), spec.name, target.describe(), len(devices), db, plan.storage)
+    started = time.perf_counter()
     results = sweep.run(plan, Progress(quiet=args.quiet))
+    if args.report:
+        cost.append(args.report, cost.run_line(spec, target, results,
+                                               time.perf_counter() - started))
     if not args.quiet:
         print(results_table(results))
     tuned = [r.task.problem for r in results if r.decision is not None]
@@ -184,11 +207,12 @@ def results_table(results: list[sweep.Result]) -> str:
         d = r.decision
         base = d.baseline_us if d else r.baseline_us
         best = d.tile_us if d else (r.ledger.best.value if r.ledger.best else None)
-        rows.append([r.task.label, r.ledger.counted, r.ledger.failed, best, base,
+        rows.append([r.task.label, r.ledger.counted, r.ledger.failed - r.ledger.abandoned,
+                     r.ledger.abandoned, best, base,
                      f"{base / best:.2f}x" if base and best else None,
                      d.chosen if d else None, canonical(d.config) if d else r.note])
-    return table(["problem", "trials", "failed", "tile us", "baseline us", "speedup", "chosen",
-                  "config"], rows)
+    return table(["problem", "trials", "failed", "abandoned", "tile us", "baseline us", "speedup",
+                  "chosen", "config"], rows)
 
 
 def _problems(args: argparse.Namespace) -> tuple[OpSpec, list[tuple]]:
@@ -286,6 +310,13 @@ def _spec(name: str) -> OpSpec:
         return get_spec(name)
     except ValueError as e:
         raise UsageError(str(e)) from None
+
+
+def _abandon_factor(text: str) -> float:
+    value = float(text)
+    if not (value == 0 or 1 < value < math.inf):
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or a finite factor above 1, got {text}")
+    return value
 
 
 def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:

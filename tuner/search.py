@@ -1,17 +1,23 @@
 """The trial loop of one problem: ask the sampler, refuse impossible configs, compile, measure, tell.
 
-Trials are asked in batches as large as the compile pool. A configuration refused by
-`spec.check_config` is told at once (no compile); the rest compile in parallel and are then
-measured one at a time, each told as soon as it is measured, so a kill loses at most the batch in
-flight, whose configurations a resumed run evaluates again (see `studies`). The loop ends when the
-study holds `trials` counted trials (from every worker and earlier runs), the grid is exhausted,
-the sampler keeps proposing configurations already evaluated, or time is up.
+Trials are asked as compile processes come free. A configuration refused by `spec.check_config`
+is told at once (no compile); the rest compile in the background and are measured one at a time
+as their compiles finish, each told as soon as it is measured, so a kill loses at most the trials
+in flight, whose configurations a resumed run evaluates again (see `studies`). On a GPU, compiling
+goes on while the device measures (`Session.overlap`); on the CPU the two take turns. A candidate
+whose few-launch estimate is `abandon` times slower than the best so far is abandoned unchecked
+and untimed: it is counted, never a winner.
+
+The loop ends when the study holds `trials` counted trials (from every worker and earlier runs),
+the grid is exhausted, the sampler keeps proposing configurations already evaluated, `patience`
+counted trials in a row brought no improvement, or time is up.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import optuna
@@ -22,6 +28,7 @@ from tileops.spec import Config, OpSpec
 from tileops.target import Target
 
 from . import studies
+from .child import Outcome
 from .evaluate import Job, Measurement
 from .progress import Progress
 from .session import Session
@@ -29,6 +36,9 @@ from .studies import Ledger, Space
 
 # The sampler proposed only evaluated configurations this many times in a row: it has converged.
 MAX_REPEATS = 100
+# A candidate whose estimate is this many times the best latency so far is abandoned (TileLang's
+# autotuner uses 2.0 after a 5-launch estimate, "typically within 10-20%" of the full figure).
+ABANDON = 2.0
 
 
 @dataclass(frozen=True)
@@ -56,6 +66,8 @@ class Limits:
     trials: int
     timeout: float | None = None  # seconds for this problem
     deadline: float | None = None  # time.monotonic() after which no trial starts
+    patience: int | None = None  # counted trials without improvement that end the search
+    abandon: float | None = ABANDON  # None: time every candidate in full
 
     def time_left(self, started: float) -> bool:
         now = time.monotonic()
@@ -67,38 +79,77 @@ class Limits:
 class SearchReport:
     ledger: Ledger
     baseline: Measurement | None  # None: not measured (nothing was left to search)
-    stopped: str  # why the loop ended: done, exhausted, converged, timeout
+    stopped: str  # why the loop ended: done, exhausted, converged, plateau, timeout
     new_trials: int  # counted trials this run added
+    seconds: dict[str, float] = field(default_factory=dict)  # where the parent's time went
 
 
 def search(session: Session, study: optuna.Study, task: Task, limits: Limits,
            progress: Progress, batch: int, seed: int = 0, time_baseline: bool = True
            ) -> SearchReport:
-    """Ask, compile and measure trials of one study until a limit stops it. `time_baseline`:
-    time the operator's baseline first (for the progress line and the report; one of several
-    workers sharing a study is enough)."""
+    """Ask, compile and measure trials of one study until a limit stops it. `batch` caps the
+    trials asked at once; `time_baseline`: time the operator's baseline first (for the progress
+    line and the report; one of several workers sharing a study is enough)."""
     started = time.monotonic()
+    clock = _Clock()
     studies.reap_interrupted(study, task.space)
     ledger = studies.read_ledger(study)
     first_count, repeats = ledger.counted, 0
     stopped = _stop_reason(ledger, task, limits, started, repeats)
     baseline = (session.measure(task.job(None), seed)
                 if time_baseline and stopped is None else None)
+    clock.lap("baseline")
     progress.begin(task.label, limits.trials, ledger, baseline)
+    compiling: dict[int, tuple[Trial, Config]] = {}  # submitted compiles, by trial number
+    compiled: deque[tuple[Trial, Config, Outcome]] = deque()  # waiting to be measured
     try:
-        while stopped is None:
-            remaining = limits.trials - ledger.counted - ledger.running
-            candidates, repeats = _ask_batch(study, task, ledger, min(remaining, batch), repeats)
-            if candidates:
-                _evaluate(session, study, task, candidates, limits, started, progress, seed)
-            studies.reap_interrupted(study, task.space)  # trials of workers that died meanwhile
+        while True:
+            if stopped is None and (session.overlap or not compiled):
+                room = min(limits.trials - ledger.counted - ledger.running, batch, session.free)
+                if room > 0:
+                    candidates, repeats = _ask_batch(study, task, ledger, room, repeats)
+                    for trial, config in candidates:
+                        session.submit(trial.number, task.job(config))
+                        compiling[trial.number] = (trial, config)
+                    clock.lap("ask")
+            if compiling or compiled:
+                for number, outcome in session.finished(block=not compiled):
+                    if number in compiling:  # else: a compile a timed-out search left behind
+                        compiled.append((*compiling.pop(number), outcome))
+                clock.lap("compile_wait")
+                if compiled and (session.overlap or not compiling):
+                    _measure(session, study, task, ledger, limits, compiled.popleft(), progress,
+                             seed)
+                    clock.lap("measure")
+            studies.reap_interrupted(study, task.space, own=False)  # workers that died meanwhile
             ledger = studies.read_ledger(study)
+            # "done" once the budget is handed out, with candidates still to finish (a repeat
+            # among them gives budget back); "timeout" drops what is in flight.
             stopped = _stop_reason(ledger, task, limits, started, repeats)
+            clock.lap("bookkeeping")
+            if stopped == "timeout" or (stopped is not None and not (compiling or compiled)):
+                break
+        for trial, *_ in [*compiling.values(), *compiled]:  # time up
+            studies.release(study, trial, "interrupted before it was measured")
     except BaseException:  # Ctrl-C or an error anywhere, even between asking and evaluating
         studies.release_own(study, task.space, "interrupted before it was measured")
         raise
+    ledger = studies.read_ledger(study)
     progress.end(ledger, stopped)
-    return SearchReport(ledger, baseline, stopped, ledger.counted - first_count)
+    return SearchReport(ledger, baseline, stopped, ledger.counted - first_count, clock.seconds)
+
+
+class _Clock:
+    """Wall seconds of the parent's loop, by what it was doing."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._last
+        self._last = now
 
 
 def _stop_reason(ledger: Ledger, task: Task, limits: Limits, started: float,
@@ -109,6 +160,8 @@ def _stop_reason(ledger: Ledger, task: Task, limits: Limits, started: float,
         return "exhausted"
     if repeats >= MAX_REPEATS:
         return "converged"
+    if limits.patience and ledger.since_improvement >= limits.patience:
+        return "plateau"
     return None if limits.time_left(started) else "timeout"
 
 
@@ -142,35 +195,30 @@ def _ask_batch(study: optuna.Study, task: Task, ledger: Ledger, n: int, repeats:
     return candidates, repeats
 
 
-def _evaluate(session: Session, study: optuna.Study, task: Task,
-              candidates: list[tuple[Trial, Config]], limits: Limits, started: float,
-              progress: Progress, seed: int) -> None:
-    """Compile the batch in parallel, then measure and tell each candidate in turn."""
-    pending = list(candidates)
-    compiled = session.compile([task.job(config) for _, config in candidates])
-    for outcome in compiled:
-        trial, config = pending[0]
-        if not limits.time_left(started):
-            break
-        twin = studies.earlier_twin(study, trial)
-        if twin is not None:  # another worker took the same configuration meanwhile
-            if twin.state.is_finished():
-                studies.tell_repeat(study, trial, twin)
-            else:
-                studies.repeat_in_flight(study, trial)
-            pending.pop(0)
-            continue
-        if outcome.error is not None:
-            error = outcome.error  # an exception is a compile error; else it hung or crashed
-            m = (Measurement(failure="compile", reason=error.reason) if error.kind == "error"
-                 else Measurement(failure=error.kind, reason=f"compiling: {error.reason}"))
+def _measure(session: Session, study: optuna.Study, task: Task, ledger: Ledger, limits: Limits,
+             item: tuple[Trial, Config, Outcome], progress: Progress, seed: int) -> None:
+    """Measure one compiled candidate (or record why it failed to compile) and tell its trial."""
+    trial, config, outcome = item
+    twin = studies.earlier_twin(study, trial)
+    if twin is not None:  # another worker took the same configuration meanwhile
+        if twin.state.is_finished():
+            studies.tell_repeat(study, trial, twin)
         else:
-            m = session.measure(task.job(config), seed + trial.number + 1)
-        _tell(study, trial, m)
-        pending.pop(0)
-        progress.update(studies.read_ledger(study), trial.number, config, m)
-    for trial, _ in pending:  # time up (an exception: `search` gives back what we hold)
-        studies.release(study, trial, "interrupted before it was measured")
+            studies.repeat_in_flight(study, trial)
+        return
+    if outcome.error is not None:
+        error = outcome.error  # an exception is a compile error; else it hung or crashed
+        m = (Measurement(failure="compile", reason=error.reason) if error.kind == "error"
+             else Measurement(failure=error.kind, reason=f"compiling: {error.reason}"))
+    else:
+        program = outcome.value[1] if outcome.value else None
+        best = ledger.best.value if ledger.best is not None else None
+        abandon = best * limits.abandon if best is not None and limits.abandon else None
+        m = session.measure(task.job(config), seed, program, abandon)
+        if outcome.value:
+            m.phases["compile"] = outcome.value[0]
+    _tell(study, trial, m)
+    progress.update(studies.read_ledger(study), trial.number, config, m)
 
 
 def _tell(study: optuna.Study, trial: Trial, m: Measurement) -> None:
@@ -179,6 +227,10 @@ def _tell(study: optuna.Study, trial: Trial, m: Measurement) -> None:
         attrs[studies.ERROR] = m.error
     if m.gpu is not None:
         attrs[studies.GPU] = m.gpu
+    if m.phases:
+        attrs[studies.PHASES] = {k: round(v, 5) for k, v in m.phases.items()}
+    if m.estimate_us is not None:
+        attrs[studies.ESTIMATE] = m.estimate_us
     if m.ok:
         assert m.stats is not None
         studies.tell_value(study, trial, m.stats.median_us, q25_us=m.stats.q25_us,

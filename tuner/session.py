@@ -1,22 +1,30 @@
 """The child processes one tuning worker uses: a compile pool and one benchmarking child.
 
-Candidates compile in parallel on all cores (the kernels land in TileLang's disk cache, from which
-the benchmarking child loads them in milliseconds) and are then checked and timed one at a time by
-the single child that owns the device, so timings never overlap.
+Candidates compile in parallel on the host's cores (the kernels land in TileLang's disk cache, and
+each compile process hands back the program it built, so the benchmarking child only loads the
+kernel) and are then checked and timed one at a time by the single child that owns the device, so
+timings never overlap. On a GPU the compile processes go on with the next candidates while the
+benchmarking child measures (`overlap`), at a lower scheduling priority so that the host side of a
+timed launch is never kept waiting; on the CPU the timed kernels run on those same cores, so
+compiling and measuring take turns.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
+from typing import Any
 
 from tileops.db.storage import canonical
 
-from .child import Child, ChildError, Outcome, run_parallel
+from .child import Child, ChildError, Outcome, Pool, run_parallel
 from .evaluate import Job, Measurement, compile_job, measure, ready, retime
 
 # Seconds a child may take to start and import torch and TileLang.
 STARTUP_TIMEOUT = 120.0
+# Niceness of compile processes: the benchmarking child keeps its core when it needs it.
+COMPILE_NICE = 10
 
 
 class Session:
@@ -30,10 +38,16 @@ class Session:
         self.device = device
         self.trial_timeout = trial_timeout
         self.startup_timeout = max(STARTUP_TIMEOUT, trial_timeout)
+        self.overlap = not device.startswith("cpu")  # compile while the device measures
         self.bench = Child("tileops-bench")
         env = _compile_env(device)
-        self.compilers = [Child(f"tileops-compile-{i}", env) for i in range(jobs)]
+        self.compilers = [Child(f"tileops-compile-{i}", env, nice=COMPILE_NICE)
+                          for i in range(jobs)]
+        started = time.perf_counter()
         self._ready([self.bench, *self.compilers])
+        self.startup_s = time.perf_counter() - started  # the children's start, for reports
+        self._pool = Pool(self.compilers, trial_timeout)
+        self._instant: list[tuple[Any, Outcome]] = []  # jobs=0: "compiled" at once
 
     def _ready(self, children: list[Child]) -> None:
         """(Re)start children and wait until they have imported everything, so that start-up
@@ -44,18 +58,52 @@ class Session:
             run_parallel(dead, ready, [()] * len(dead), self.startup_timeout)
 
     def compile(self, jobs: list[Job]) -> list[Outcome]:
+        """Compile jobs on every compile process, waiting for all of them."""
         if not self.compilers:
             return [Outcome() for _ in jobs]
+        assert not self._pool.busy, "compile() while submitted compiles are running"
         self._ready(self.compilers)
         return run_parallel(self.compilers, compile_job, [(job,) for job in jobs],
                             self.trial_timeout)
 
-    def measure(self, job: Job, seed: int) -> Measurement:
+    @property
+    def free(self) -> int:
+        """How many compiles `submit` can start now."""
+        return self._pool.idle if self.compilers else 1 << 30
+
+    @property
+    def compiling(self) -> int:
+        return self._pool.busy
+
+    def submit(self, tag: Any, job: Job) -> None:
+        """Start compiling a job in the background (a free compile process must exist); its
+        outcome comes back from `finished` under `tag`. A session without compile processes
+        answers at once, leaving the benchmarking child to compile. (A compile process killed
+        at its time limit starts again here, its imports inside the next compile's limit.)"""
+        if not self.compilers:
+            self._instant.append((tag, Outcome()))
+            return
+        self._pool.submit(tag, compile_job, job)
+
+    def finished(self, block: bool = False) -> list[tuple[Any, Outcome]]:
+        """Compiles that ended since the last call, as (tag, outcome); with `block`, wait for at
+        least one while any runs. An outcome's value is (seconds, program)."""
+        done, self._instant = self._instant, []
+        return done + self._pool.finished(block=block and not done)
+
+    def measure(self, job: Job, seed: int, program: Any = None,
+                abandon_above_us: float | None = None) -> Measurement:
+        """Check and time a job in the benchmarking child; `phases` gain "ipc", what the call
+        cost beyond the child's own phases (pickling, the pipe, the child's bookkeeping)."""
+        started = time.perf_counter()
         try:
             self._ready([self.bench])
-            return self.bench.call(measure, job, seed, timeout=self.trial_timeout)
+            m = self.bench.call(measure, job, seed, program, abandon_above_us,
+                                timeout=self.trial_timeout)
         except ChildError as e:
             return Measurement(failure=e.kind, reason=e.reason)
+        m.phases["ipc"] = max(0.0, time.perf_counter() - started - sum(m.phases.values()))
+        return m
 
     def retime(self, jobs: list[Job], seed: int, rounds: int) -> list[Measurement]:
         try:

@@ -7,8 +7,9 @@ machine) or an RDB URL (`sqlite:///...` on one machine, `postgresql://...` acros
 Trial states, chosen so that samplers learn the right thing:
 - COMPLETE: the candidate passed its check; the value is its median latency (us).
 - PRUNED: the candidate cannot win: refused by `spec.check_config` (no compile), failed to
-  compile, gave wrong output, crashed or hung. TPE ranks pruned trials below every complete one,
-  so it learns to avoid such regions (it ignores FAIL trials entirely).
+  compile, gave wrong output, crashed, hung, or was abandoned (its few-launch estimate was a
+  factor slower than the best so far). TPE ranks pruned trials below every complete one, so it
+  learns to avoid such regions (it ignores FAIL trials entirely).
 - FAIL: not evaluated (interrupted, or a repeat of a configuration still in flight). An
   interrupted candidate's configuration is enqueued again, so a resumed sweep still evaluates it.
 User attributes record why (`failure`, `reason`), who ran it (`owner`) and whether it counts toward
@@ -43,6 +44,7 @@ from tileops.db.storage import canonical
 from tileops.spec import Config
 
 from .errors import UsageError
+from .evaluate import ABANDONED
 
 log = logging.getLogger("tuner")
 
@@ -52,6 +54,10 @@ Space = dict[str, list[Any]]
 OWNER, CANDIDATE, COUNTED = "owner", "candidate", "counted"
 FAILURE, REASON, REPEAT_OF, ERROR = "failure", "reason", "repeat_of", "rel_error"
 GPU = "gpu"  # UUID of the GPU a trial was timed on
+PHASES = "phases"  # seconds per phase of its measurement (evaluate.PHASES, "ipc", "compile")
+ESTIMATE = "estimate_us"  # the few-launch estimate of an abandoned candidate
+# A trial improves on the best so far when it is faster by more than this fraction.
+IMPROVEMENT = 0.01
 # A running trial of another host is presumed dead after this long.
 STALE_AFTER = dt.timedelta(hours=6)
 # A running trial without an owner (its worker died right after asking for it), after this long.
@@ -170,7 +176,9 @@ class Ledger:
     """A study's trials, summarised: the budget count, the configurations seen, the best."""
 
     counted: int = 0  # trials that compiled a candidate: what --trials counts
-    failed: int = 0  # counted trials that failed (compile, wrong output, crash, hang)
+    failed: int = 0  # counted trials that failed (compile, wrong output, crash, hang, abandoned)
+    abandoned: int = 0  # counted trials abandoned after their estimate
+    since_improvement: int = 0  # counted trials since the best last improved (IMPROVEMENT)
     skipped: int = 0  # configurations refused by check_config (no compile)
     running: int = 0  # candidates in flight, any worker
     finished: dict[str, FrozenTrial] = field(default_factory=dict)  # config -> first verdict
@@ -197,7 +205,7 @@ def counted_trials(study: optuna.Study) -> list[FrozenTrial]:
 def read_ledger(study: optuna.Study) -> Ledger:
     ledger = Ledger()
     now = dt.datetime.now()
-    for t in study.get_trials(deepcopy=False):
+    for t in study.get_trials(deepcopy=False):  # in trial order
         attrs = t.user_attrs
         if t.state == TrialState.RUNNING:
             if attrs.get(CANDIDATE) and not _presumed_dead(t, now):
@@ -207,12 +215,16 @@ def read_ledger(study: optuna.Study) -> Ledger:
         if t.state not in (TrialState.COMPLETE, TrialState.PRUNED) or REPEAT_OF in attrs:
             continue
         ledger.finished.setdefault(canonical(t.params), t)
-        if attrs.get(COUNTED):
-            ledger.counted += 1
-            ledger.failed += t.state == TrialState.PRUNED
-        else:
+        if not attrs.get(COUNTED):
             ledger.skipped += 1
+            continue
+        ledger.counted += 1
+        ledger.failed += t.state == TrialState.PRUNED
+        ledger.abandoned += attrs.get(FAILURE) == ABANDONED
+        ledger.since_improvement += 1
         if t.state == TrialState.COMPLETE and (ledger.best is None or t.value < ledger.best.value):
+            if ledger.best is None or t.value < ledger.best.value * (1 - IMPROVEMENT):
+                ledger.since_improvement = 0
             ledger.best = t
     return ledger
 
@@ -314,13 +326,18 @@ def _tell(study: optuna.Study, trial: Trial | FrozenTrial, state: TrialState,
         return False
 
 
-def reap_interrupted(study: optuna.Study, space: Space) -> int:
-    """Fail (and re-queue) running trials whose worker is gone: killed, or crashed."""
+def reap_interrupted(study: optuna.Study, space: Space, own: bool = True) -> int:
+    """Fail (and re-queue) running trials whose worker is gone: killed, or crashed. `own`: this
+    process's too, which at the start of a search are left over from a crash (pass False while
+    its own trials are in flight)."""
     host = socket.gethostname()
     now = dt.datetime.now()
+    me = owner_id()
     reaped = 0
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         owner = t.user_attrs.get(OWNER, "")
+        if owner == me and not own:
+            continue
         owner_host, _, pid = owner.rpartition(":")
         local_dead = owner_host == host and pid.isdigit() and not _pid_alive(int(pid))
         orphan = not owner and now - (t.datetime_start or now) > ORPHAN_AFTER

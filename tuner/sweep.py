@@ -13,6 +13,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from tileops.target import Target
 
 from . import studies, winners
 from .progress import Progress
-from .search import Limits, SearchReport, Task, search
+from .search import ABANDON, Limits, SearchReport, Task, search
 from .session import Session
 from .studies import Space
 from .winners import Decision
@@ -53,6 +54,8 @@ class Plan:
     trial_timeout: float = 300.0
     retime_top: int = 4
     retime_rounds: int = 5
+    patience: int | None = None  # stop a problem's search after this many trials without gain
+    abandon: float | None = ABANDON  # abandon candidates this many times slower than the best
     space: Space | None = None  # None: the spec's space for the target
     study_prefix: str = "tileops"
     warm_start: bool = True
@@ -67,7 +70,10 @@ class Plan:
         return Task(self.spec, self.target, device or self.devices[0], problem, self.space)
 
     def limits(self) -> Limits:
-        return Limits(self.trials, self.timeout)
+        """The search's limits; a grid is searched whole (no patience)."""
+        return Limits(self.trials, self.timeout,
+                      patience=None if self.sampler == "grid" else self.patience,
+                      abandon=self.abandon)
 
     def study_name(self, problem: tuple) -> str:
         """Trials measured one kernel source with one TileLang: a change of either starts a new
@@ -90,19 +96,26 @@ class Result:
     baseline_us: float | None = None
     stopped: str = ""
     note: str = ""
+    recorded: bool = False  # a record was written (else: kept, already there, or refused)
+    new_trials: int = 0  # counted trials this run added
+    new_abandoned: int = 0  # of which abandoned after their estimate
+    seconds: dict[str, float] = field(default_factory=dict)  # the parent's wall time, by part
 
 
 def run(plan: Plan, progress: Progress) -> list[Result]:
     storage = studies.open_storage(plan.storage)
     if len(plan.devices) > 1:
         return _run_workers(plan, storage, progress)
-    results = []
+    results: list[Result] = []
     with Session(plan.devices[0], plan.jobs, plan.trial_timeout) as session:
         for problem in plan.problems:
             task = plan.task(problem)
             study = _prepare(plan, storage, task)
+            before = studies.read_ledger(study)
             report = search(session, study, task, plan.limits(), progress, plan.jobs, plan.seed)
-            results.append(_finish(plan, session, task, study, report))
+            results.append(_finish(plan, session, task, study, before, report))
+            if len(results) == 1:  # the first problem's time includes starting the children
+                results[0].seconds["child_start"] = session.startup_s
     return results
 
 
@@ -143,39 +156,44 @@ def warm_start_configs(plan: Plan, problem: tuple) -> list[tuple[Config, str]]:
     return configs
 
 
-def _finish(plan: Plan, session: Session, task: Task, study: optuna.Study,
-            report: SearchReport | None = None, new_trials: int = 0) -> Result:
-    """Re-time the study's best configurations and record the winner."""
+def _finish(plan: Plan, session: Session, task: Task, study: optuna.Study, before: studies.Ledger,
+            report: SearchReport | None = None) -> Result:
+    """Re-time the study's best configurations and record the winner (`before`: the study's
+    ledger before this run searched it)."""
     ledger = studies.read_ledger(study)
-    result = Result(task, ledger, stopped=report.stopped if report else "workers done")
+    new_trials = ledger.counted - before.counted
+    result = Result(task, ledger, stopped=report.stopped if report else "workers done",
+                    new_trials=new_trials, new_abandoned=ledger.abandoned - before.abandoned,
+                    seconds=dict(report.seconds) if report else {})
     if report is not None:
-        new_trials = report.new_trials
         base = report.baseline
         result.baseline_us = base.stats.median_us if base and base.ok and base.stats else None
     if not ledger.complete():
-        result.note = "no configuration passed its check; nothing recorded"
+        result.note = ("no trial ran (time was up first); nothing recorded" if not ledger.counted
+                       else "no configuration passed its check; nothing recorded")
         return result
     if not new_trials and winners.already_recorded(plan.db, task, ledger.counted):
         result.note = "already recorded"
         return result
-    decision = winners.retime_top(session, task, ledger, plan.retime_top, plan.retime_rounds,
-                                  plan.seed + 7919)
+    started = time.perf_counter()
+    decision, why = winners.retime_top(session, task, ledger, plan.retime_top,
+                                       plan.retime_rounds, plan.seed + 7919, result.baseline_us)
     result.decision = decision
     if decision is None:
-        result.note = "the best configurations failed when re-timed; nothing recorded"
+        result.note = f"{why}; nothing recorded"
     else:
         result.baseline_us = decision.baseline_us
-        winners.write(plan.db, task, decision, ledger.counted)
+        result.recorded = winners.write(plan.db, task, decision, ledger.counted)
+        if not result.recorded:
+            result.note = "the database's record is faster; kept"
+    result.seconds["retime"] = time.perf_counter() - started
     return result
 
 
 def _run_workers(plan: Plan, storage: optuna.storages.BaseStorage, progress: Progress
                  ) -> list[Result]:
     tasks = [plan.task(p) for p in plan.problems]
-    counts = {}
-    for task in tasks:
-        study = _prepare(plan, storage, task)
-        counts[task.problem] = studies.read_ledger(study).counted
+    before = {task.problem: studies.read_ledger(_prepare(plan, storage, task)) for task in tasks}
     ctx = mp.get_context("spawn")
     jobs = max(1, plan.jobs // len(plan.devices))
     workers = [ctx.Process(target=_worker, args=(plan, i, jobs), name=f"tileops-worker-{i}")
@@ -197,8 +215,7 @@ def _run_workers(plan: Plan, storage: optuna.storages.BaseStorage, progress: Pro
     with Session(plan.devices[0], 0, plan.trial_timeout) as session:  # measures only
         for task in tasks:
             study = _open(plan, storage, task)
-            new = studies.read_ledger(study).counted - counts[task.problem]
-            results.append(_finish(plan, session, task, study, new_trials=new))
+            results.append(_finish(plan, session, task, study, before[task.problem]))
     return results
 
 

@@ -9,6 +9,10 @@ clean lines, so the timed launch does not pay for writing the flush's dirty line
 on an H200, ~12 us at its bandwidth); "none" skips the flush (to see what a warm cache gives).
 Other devices: wall-clock `perf_counter` around each synchronised launch, median of repeats. The
 number of repeats adapts to the launch's duration within a time budget.
+
+A search ranks candidates, so one measurement is short (`BUDGET_S`); the few that may be recorded
+are re-timed for longer in interleaved rounds (`tuner.winners`). `estimate` is the few-launch
+figure that lets a search abandon a candidate far slower than the best so far.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from typing import Any
 import torch
 
 # Seconds of timed launches per measurement, and bounds on the repeat count.
-BUDGET_S = {"gpu": 0.15, "host": 0.25}
+BUDGET_S = {"gpu": 0.05, "host": 0.1}
 REPEATS = {"gpu": (20, 400), "host": (5, 100)}
+ESTIMATE_LAUNCHES = 5  # timed launches of an estimate (TileLang's early stop uses 5 too)
 FLUSH_MODES = ("clean", "dirty", "none")  # what happens to the L2 before each timed launch
 # Seconds of untimed launches first (at least 3), so that clocks, caches and libraries settle.
 WARMUP_S = {"gpu": 0.03, "host": 0.01}
@@ -37,14 +42,15 @@ class Stats:
     q25_us: float
     q75_us: float
     n: int
+    min_us: float | None = None  # the fastest sample
 
     @classmethod
     def of(cls, samples_us: list[float]) -> Stats:
         if len(samples_us) < 2:
             v = samples_us[0]
-            return cls(v, v, v, len(samples_us))
+            return cls(v, v, v, len(samples_us), v)
         q = statistics.quantiles(samples_us, n=4)
-        return cls(statistics.median(samples_us), q[0], q[2], len(samples_us))
+        return cls(statistics.median(samples_us), q[0], q[2], len(samples_us), min(samples_us))
 
 
 class Timer:
@@ -65,14 +71,27 @@ class Timer:
 
     def samples(self, launch: Callable[[], Any]) -> list[float]:
         """Per-launch latencies (us) of `launch` after warm-up."""
-        estimate = self._warm_up(launch)
-        n = int(min(self.max_repeats, max(self.min_repeats, self.budget_s * 1e6 / estimate)))
-        return self._gpu_samples(launch, n) if self.gpu else self._host_samples(launch, n)
+        return self.timed(launch, self.warm_up(launch))
 
     def measure(self, launch: Callable[[], Any]) -> Stats:
         return Stats.of(self.samples(launch))
 
-    def _warm_up(self, launch: Callable[[], Any]) -> float:
+    def timed(self, launch: Callable[[], Any], cost_us: float) -> list[float]:
+        """Per-launch latencies (us) of a warmed-up `launch`, as many as the budget allows for a
+        launch that costs `cost_us` (what `warm_up` returned)."""
+        n = int(min(self.max_repeats, max(self.min_repeats, self.budget_s * 1e6 / cost_us)))
+        return self._gpu_samples(launch, n) if self.gpu else self._host_samples(launch, n)
+
+    def estimate(self, launch: Callable[[], Any]) -> float:
+        """Median latency (us) of a few timed launches after one untimed: within 10-20% of a
+        full measurement, enough to tell a candidate twice as slow as the best."""
+        launch()
+        self.synchronize()
+        n = ESTIMATE_LAUNCHES
+        return statistics.median(self._gpu_samples(launch, n) if self.gpu
+                                 else self._host_samples(launch, n))
+
+    def warm_up(self, launch: Callable[[], Any]) -> float:
         """Run untimed launches; their mean latency (us) estimates what one timed launch costs."""
         launch()
         self.synchronize()

@@ -9,6 +9,18 @@ The rule, so that two sweeps on one machine record the same configuration:
    canonical JSON sorts first wins.
 4. The winner is chosen over the baseline only when it is faster beyond the band; otherwise the
    record says chosen="baseline" (dispatch then calls the baseline) and keeps the tile figure.
+
+No record rests on timings that contradict each other: when the same launch measured `CONTRA`
+times faster in one measurement than in another (its search-time median, its fastest re-timed
+launch and its re-timing rounds' medians; the baseline's too), something else was using the
+device or the host's cores, now and then or throughout (a launch that runs at full speed only
+between interruptions has a median far above its fastest launch). The re-timing is repeated, and
+after `RETIME_ATTEMPTS` contradicting ones nothing is recorded, with the reason.
+
+A new record replaces the database's record of the same problem and target only under the merge
+rule of `tileops db merge` (`dbtools.merge_wins`): a fresh record beats a stale one, and of two
+fresh ones measured on the same device the faster one stays, so a narrower or shorter re-tune
+never replaces a better record.
 """
 
 from __future__ import annotations
@@ -21,10 +33,11 @@ from typing import Any
 
 from tileops.db import provenance
 from tileops.db.layers import stale_reason
-from tileops.db.storage import TuningDB, canonical
+from tileops.db.storage import KEY_FIELDS, TuningDB, canonical, transient_record
 from tileops.spec import Config
 
 from . import studies
+from .dbtools import merge_wins
 from .evaluate import Measurement
 from .search import Task
 from .session import Session
@@ -34,6 +47,8 @@ log = logging.getLogger("tuner")
 
 NOISE_FLOOR = 0.01
 NOISE_CAP = 0.10
+CONTRA = 3.0  # the same launch this many times faster in one measurement than another
+RETIME_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -66,19 +81,52 @@ def decide(tiles: list[tuple[Config, Measurement]], baseline: Measurement) -> De
     return Decision(chosen, config, tile_us, base_us, band, len(tied))
 
 
-def retime_top(session: Session, task: Task, ledger: Ledger, top: int, rounds: int,
-               seed: int) -> Decision | None:
-    """Re-check and re-time the `top` fastest configurations of a study with the baseline."""
-    configs = [dict(t.params) for t in ledger.complete()[:top]]
+def contradiction(timings: dict[str, list[float]]) -> str | None:
+    """Why the timings of the same launches contradict each other (None: they agree): each
+    entry holds every median measured for one launch (label -> microseconds)."""
+    for label, values in timings.items():
+        values = [v for v in values if v and v > 0]
+        if len(values) > 1 and max(values) > CONTRA * min(values):
+            return (f"{label} measured {min(values):.4g} us and {max(values):.4g} us "
+                    f"(medians {', '.join(f'{v:.4g}' for v in values)})")
+    return None
+
+
+def _figures(m: Measurement) -> list[float]:
+    """A re-timed launch's fastest sample and its rounds' medians."""
+    return [m.stats.min_us, *m.round_medians] if m.ok and m.stats else []
+
+
+def retime_top(session: Session, task: Task, ledger: Ledger, top: int, rounds: int, seed: int,
+               baseline_us: float | None = None) -> tuple[Decision | None, str]:
+    """Re-check and re-time the `top` fastest configurations of a study with the baseline (whose
+    search-time median is `baseline_us`); the decision, or None and why not."""
+    trials = ledger.complete()[:top]
+    configs = [dict(t.params) for t in trials]
     if not configs:
-        return None
+        return None, "no configuration passed its check"
     jobs = [task.job(c) for c in configs] + [task.job(None)]
-    results = session.retime(jobs, seed, rounds)
+    why = ""
+    for attempt in range(RETIME_ATTEMPTS):
+        results = session.retime(jobs, seed + attempt, rounds)
+        timings = {canonical(c): [t.value, *_figures(m)]
+                   for c, t, m in zip(configs, trials, results, strict=False)}
+        timings["the baseline"] = [baseline_us, *_figures(results[-1])]
+        why = contradiction(timings) or ""
+        if not why:
+            break
+        log.warning("%s: timings contradict each other (%s); is something else using the "
+                    "device? measuring again (%d of %d)", task.label, why, attempt + 1,
+                    RETIME_ATTEMPTS)
+    else:
+        return None, (f"timings contradict each other after {RETIME_ATTEMPTS} attempts ({why}): "
+                      "is something else using the device or the host's cores?")
     for config, m in zip(configs, results, strict=False):
         if not m.ok:
             log.warning("%s: %s failed when re-timed (%s: %s)", task.label, canonical(config),
                         m.failure, m.reason)
-    return decide(list(zip(configs, results[:-1], strict=True)), results[-1])
+    decision = decide(list(zip(configs, results[:-1], strict=True)), results[-1])
+    return decision, "" if decision else "the best configurations failed when re-timed"
 
 
 def record_fields(task: Task, decision: Decision, trials: int) -> dict[str, Any]:
@@ -102,16 +150,26 @@ def already_recorded(db: Path, task: Task, trials: int) -> bool:
     return False
 
 
-def write(db: Path, task: Task, decision: Decision, trials: int) -> None:
+def write(db: Path, task: Task, decision: Decision, trials: int) -> bool:
+    """Record a decision unless the database's record of the problem beats it (the merge rule);
+    whether it was written."""
     from tileops import dispatch
 
+    fields = record_fields(task, decision, trials)
     with TuningDB(db) as tdb:
-        tdb.put(**record_fields(task, decision, trials))
+        new = transient_record(fields)
+        old = tdb.record(**{k: getattr(new, k) for k in KEY_FIELDS})
+        if old is not None and not merge_wins(new, old):
+            log.info("kept the record of %s in %s (%.2f us) over this run's (%.2f us)",
+                     task.label, db, old.latency_us, new.latency_us)
+            return False
+        tdb.put(**fields)
     dispatch.reset()
     log.info("recorded %s on %s in %s: chosen %s; best tile config %s %.2f us, baseline %s",
              task.label, task.target.describe(), db, decision.chosen,
              json.dumps(decision.config, sort_keys=True), decision.tile_us,
              _us(decision.baseline_us))
+    return True
 
 
 def _us(value: float | None) -> str:

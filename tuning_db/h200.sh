@@ -1,77 +1,98 @@
 #!/usr/bin/env bash
-# How the records of tuning_db/h200.sqlite are made: the bf16 workload suites in slices by M, each
-# searched exhaustively (grid) over a space narrowed to the tiles that can win there
-# (benchmarks/NOTES.md says why), in two stages:
+# How the records of tuning_db/h200.sqlite are made: each operator's workload suite in slices (GEMM
+# and MXFP4 by M, attention and MLA whole), each searched over a space narrowed to the tiles that
+# can win there (benchmarks/NOTES.md says why), compiling in the background while the GPU measures:
 #
-#   bash tuning_db/h200.sh compile OP SLICE   # any machine with nvcc: fill the kernel cache
-#   bash tuning_db/h200.sh tune OP SLICE      # the H200, with that cache: measure and record
-#   bash tuning_db/h200.sh export             # the H200's records into tuning_db/h200.sqlite
+#   bash tuning_db/h200.sh tune OP SLICE      # the H200: search, record; resumable
+#   bash tuning_db/h200.sh all                # every slice below in turn (GEMM in bf16 and fp16)
+#   bash tuning_db/h200.sh export             # the records into tuning_db/h200.sqlite, verified
+#   bash tuning_db/h200.sh compile OP SLICE   # optional, any machine with nvcc: fill the cache
 #
 # OP SLICE: gemm decode (M = 1, 16), gemm m64, gemm prefill (M = 256 ... 8192), mxfp4_gemm decode
-# (M = 1, 16), mxfp4_gemm prefill (M = 256 ... 4096), attention all (the whole suite: its space is
-# small enough to compile whole, and TPE picks 16 points of it). Kernels are compiled for sm_90a
-# into $TILELANG_CACHE_DIR; tuning resumes where it stopped (the Optuna journal beside $DB).
+# (M = 1 ... 64), mxfp4_gemm prefill (M = 256 ... 4096), attention all, mla_decode all (the whole
+# suites; TPE). A stopped slice resumes where it stopped (the Optuna journal beside $DB), and
+# every run appends what it cost (trials, wall seconds by part: GPU time, the machine being held
+# throughout) to $REPORTS/OP-SLICE-DTYPE.jsonl, which benchmarks/tuning_cost.py sums.
 # WORKERS=N tunes on N GPUs at once (worker i on cuda:i, one study per problem shared by all);
-# JOBS sets the compile processes (few are needed when the cache holds every kernel); DTYPE the
-# element type (default bfloat16; float16 records are separate ones).
+# JOBS sets the compile processes (default: all cores but one); DTYPE the element type of the
+# GEMM slices (default bfloat16; float16 records are separate ones).
 set -euo pipefail
 
 DB=${DB:-$HOME/.cache/tileops/h200.sqlite}
+REPORTS=${REPORTS:-$HOME/.cache/tileops/h200-costs}
 WORKERS=${WORKERS:-1}
 DTYPE=${DTYPE:-bfloat16}
-jobs_args=(); [[ -z ${JOBS:-} ]] || jobs_args=(--jobs "$JOBS")
+JOBS=${JOBS:-$(( $(nproc) > 1 ? $(nproc) - 1 : 1 ))}  # one core stays with the timing process
 H200='{"kind": "cuda", "arch": "sm_90a", "device": "NVIDIA H200", "units": 132}'
 # (N, K) of the Llama-3-8B and -70B projections, shared by the GEMM and MXFP4 suites.
 NK="6144x4096 4096x4096 28672x4096 4096x14336 10240x8192 8192x8192 57344x8192 8192x28672"
+SLICES="gemm:decode gemm:m64 gemm:prefill mxfp4_gemm:decode mxfp4_gemm:prefill attention:all
+  mla_decode:all"
 
-usage() { sed -n '2,16p' "$0"; exit 2; }
-sampler=grid trials=64 space=
+usage() { sed -n '2,20p' "$0"; exit 2; }
 
-case "${2:-}:${3:-}" in
-  gemm:decode)  # the weight takes the wgmma M side (swap_ab); split-K for more CTAs
-    ms="1 16"; space='{"block_M": [16], "block_N": [64, 128], "block_K": [128, 256],
-      "num_stages": [3, 4], "threads": [128], "swizzle": [0], "split_k": [1, 2, 4],
-      "swap_ab": [1]}' ;;
-  gemm:m64)
-    ms="64"; space='{"block_M": [64], "block_N": [64, 128], "block_K": [128],
-      "num_stages": [3, 4], "threads": [128], "swizzle": [0], "split_k": [1, 2, 4],
-      "swap_ab": [1]}' ;;
-  gemm:prefill)  # 64-256-row tiles, two consumer warpgroups for the larger ones, rasterised
-    ms="256 1024 4096 8192"; space='{"block_M": [64, 128, 256], "block_N": [128, 256],
-      "block_K": [64], "num_stages": [3, 4], "threads": [128, 256], "swizzle": [8],
-      "split_k": [1], "swap_ab": [0]}' ;;
-  mxfp4_gemm:decode)  # decoded in shared memory or in registers; 512-wide K steps for TMA scales
-    ms="1 16"; space='{"block_M": [16], "block_N": [64, 128], "block_K": [256, 512],
-      "num_stages": [2, 3], "threads": [128], "dequant": ["bits", "reg"], "swizzle": [0],
-      "split_k": [1, 4], "swap_ab": [1]}' ;;
-  mxfp4_gemm:prefill)  # the weight decoded once, then the GEMM loop
-    ms="256 1024 4096"; space='{"block_M": [64, 128], "block_N": [128, 256], "block_K": [64],
-      "num_stages": [3, 4], "threads": [128, 256], "dequant": ["global"], "swizzle": [8],
-      "split_k": [1], "swap_ab": [0]}' ;;
-  attention:all)
-    ms=""; sampler=tpe trials=16 ;;
-  *) [[ ${1:-} == export ]] || usage ;;
-esac
-
-problems() {  # the slice's problems: one --shape per (M, N, K) (GEMM: the w.t() layout), or a suite
-  if [[ -z $ms ]]; then printf -- '--suite %s ' "$1"; return; fi
-  local layout=""; [[ $1 == gemm ]] && layout=":nk"
-  for m in $ms; do for nk in $NK; do printf -- '--shape %sx%s%s ' "$m" "$nk" "$layout"; done; done
+slice() {  # sets ms, space, sampler, trials, extra for OP SLICE
+  sampler=grid trials=64 space= extra=() dtype=$DTYPE
+  case "$1:$2" in
+    gemm:decode)  # the weight takes the wgmma M side (swap_ab); split-K for more CTAs
+      ms="1 16"; space='{"block_M": [16], "block_N": [64, 128], "block_K": [128, 256],
+        "num_stages": [3, 4], "threads": [128], "swizzle": [0], "split_k": [1, 2, 4],
+        "swap_ab": [1]}' ;;
+    gemm:m64)
+      ms="64"; space='{"block_M": [64], "block_N": [64, 128], "block_K": [128],
+        "num_stages": [3, 4], "threads": [128], "swizzle": [0], "split_k": [1, 2, 4],
+        "swap_ab": [1]}' ;;
+    gemm:prefill)  # 64-256-row tiles, two consumer warpgroups for the larger ones, rasterised
+      ms="256 1024 4096 8192"; space='{"block_M": [64, 128, 256], "block_N": [128, 256],
+        "block_K": [64], "num_stages": [3, 4], "threads": [128, 256], "swizzle": [8],
+        "split_k": [1], "swap_ab": [0]}' ;;
+    mxfp4_gemm:decode)  # decoded in shared memory or in registers; 512-wide K steps for TMA scales
+      ms="1 16 64"; dtype=bfloat16; space='{"block_M": [16], "block_N": [64, 128],
+        "block_K": [256, 512], "num_stages": [2, 3], "threads": [128], "dequant": ["bits", "reg"],
+        "swizzle": [0], "split_k": [1, 4], "swap_ab": [1], "ctas_per_sm": [1]}' ;;
+    mxfp4_gemm:prefill)  # the weight decoded once, then the GEMM loop
+      ms="256 1024 4096"; dtype=bfloat16; space='{"block_M": [64, 128], "block_N": [128, 256],
+        "block_K": [64], "num_stages": [3, 4], "threads": [128, 256], "dequant": ["global"],
+        "swizzle": [8], "split_k": [1], "swap_ab": [0], "ctas_per_sm": [1]}' ;;
+    attention:all|mla_decode:all)  # the whole space, searched by TPE until it stops improving
+      ms=""; dtype=bfloat16; sampler=tpe trials=24; extra=(--patience 8) ;;
+    *) usage ;;
+  esac
 }
 
-space_args=()
-[[ -z $space ]] || space_args=(--space "$space")
-# shellcheck disable=SC2046  # $(problems ...): one argument per word
+problems() {  # the slice's problems: one --shape per (M, N, K) (GEMM: the w.t() layout), or a suite
+  if [[ -z $ms ]]; then
+    case $1 in attention) printf -- '--suite attention ' ;; mla_decode) printf -- '--suite mla_decode ' ;; esac
+    return
+  fi
+  local layout=""; [[ $1 == gemm ]] && layout=":nk"
+  for m in $ms; do for nk in $NK; do printf -- '--shape=%sx%s%s ' "$m" "$nk" "$layout"; done; done
+}
+
+run() {  # run ACTION OP SLICE
+  slice "$2" "$3"
+  local space_args=(); [[ -z $space ]] || space_args=(--space "$space")
+  local op_args=(--op "$2"); [[ -z $ms ]] && op_args=()
+  mkdir -p "$REPORTS"
+  # shellcheck disable=SC2046  # $(problems ...): one argument per word
+  case $1 in
+    compile)  # every point of the space (the grid), whatever the tuning sampler
+      python3 -m tuner tune "${op_args[@]}" $(problems "$2") --dtype "$dtype" --device "$H200" \
+        "${space_args[@]}" --sampler grid --dry-run --compile --jobs "$JOBS" > /dev/null ;;
+    tune)
+      python3 -m tuner tune "${op_args[@]}" $(problems "$2") --dtype "$dtype" --device cuda \
+        "${space_args[@]}" --sampler "$sampler" --trials "$trials" "${extra[@]}" --db "$DB" \
+        --workers "$WORKERS" --jobs "$JOBS" --report "$REPORTS/$2-$3-$dtype.jsonl" ;;
+  esac
+}
+
 case "${1:-}" in
-  compile)  # every point of the space (the grid), whatever the tuning sampler
-    python3 -m tuner tune --op "$2" $(problems "$2") --dtype "$DTYPE" --device "$H200" \
-      "${space_args[@]}" --sampler grid --dry-run --compile > /dev/null ;;
-  tune)
-    python3 -m tuner tune --op "$2" $(problems "$2") --dtype "$DTYPE" --device cuda \
-      "${space_args[@]}" --sampler "$sampler" --trials "$trials" --db "$DB" \
-      --workers "$WORKERS" "${jobs_args[@]}" ;;
+  compile|tune) [[ $# -eq 3 ]] || usage; run "$1" "$2" "$3" ;;
+  all)
+    for s in $SLICES; do run tune "${s%%:*}" "${s##*:}"; done
+    for s in gemm:decode gemm:m64 gemm:prefill; do DTYPE=float16 run tune gemm "${s##*:}"; done ;;
   export)
-    python3 -m tuner db export tuning_db/h200.sqlite --db "$DB"
+    python3 -m tuner db export tuning_db/h200.sqlite --db "$DB" --force
     python3 -m tuner db verify --db tuning_db/h200.sqlite ;;
   *) usage ;;
 esac

@@ -122,6 +122,16 @@ class TuningDB:
             raise DatabaseError(f"cannot read {self.path}: {_reason(e)}") from None
         return rows
 
+    def record(self, **key: Any) -> Record | None:
+        """The record with this key (`KEY_FIELDS`; problem as canonical JSON), if any."""
+        try:
+            with Session(self.engine, expire_on_commit=False) as s:
+                row = s.scalars(select(Record).filter_by(**key)).first()
+                s.expunge_all()
+        except SQLAlchemyError as e:
+            raise DatabaseError(f"cannot read {self.path}: {_reason(e)}") from None
+        return row
+
     # ---- writing --------------------------------------------------------------------------------
     def put(self, **fields: Any) -> Record:
         """Insert or replace the record with the same key (op, problem, target kind/arch/device)."""
@@ -168,6 +178,11 @@ class TuningDB:
 def record_dict(record: Record) -> dict[str, Any]:
     """A record's fields as a plain dict (without the id)."""
     return {name: getattr(record, name) for name in RECORD_FIELDS}
+
+
+def transient_record(fields: dict[str, Any]) -> Record:
+    """A record of these fields (as `put` would store them) that belongs to no database."""
+    return Record(**_normalise(fields))
 
 
 def _normalise(fields: dict[str, Any]) -> dict[str, Any]:

@@ -50,11 +50,15 @@ def _visible(query, key, seqlen_q, seqlen_kv, causal: bool):
 
 # The KV loop body's 13 statements, scheduled for `overlap`: K load (0), mask as the scores'
 # initial value and Q K^T (1-2), online softmax (3-9), rescale O (10), V load (11), P V (12). In
-# steady state iteration k issues Q K^T(k), then the rescale and P V of k - 1 (stage 1), then the
-# softmax of k, so the tensor cores work on one product while the softmax of the other runs.
-_EMIT = [0, 1, 2, 10, 11, 12, *range(3, 10)]
+# steady state iteration k loads K and V of k and issues Q K^T(k), then the rescale and P V of
+# k - 1 (stage 1), then the softmax of k, so the tensor cores work on one product while the
+# softmax of the other runs. V is loaded in stage 0, a block ahead of its product, so TileLang
+# double-buffers it and waits for the copy of k - 1 before P V reads it. (With the V load in
+# stage 1, beside its product, TileLang 0.1.15 waited for all but the newest copy, V's own: P V
+# could read V before it landed, and outputs came out wrong or NaN.)
+_EMIT = [0, 11, 1, 2, 10, 12, *range(3, 10)]
 _OVERLAP = {"order": [_EMIT.index(i) for i in range(13)],
-            "stage": [int(i in (10, 11, 12)) for i in range(13)]}
+            "stage": [int(i in (10, 12)) for i in range(13)]}
 
 
 # Named barriers of the ping-pong schedule, one per consumer warpgroup (TileLang's own barriers

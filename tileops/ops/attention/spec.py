@@ -318,6 +318,19 @@ class AttentionSpec(OpSpec):
     def tolerance(self, problem: AttentionProblem) -> float:
         return 1e-5 if problem.dtype == "float32" else 1e-2
 
+    def check_sizes(self, problem: AttentionProblem) -> list[dict[str, int]]:
+        """Also unequal lengths both ways within the buckets: more queries than keys leaves
+        causal rows that see no key, fewer shifts the mask's diagonal, and both put the last KV
+        and query blocks part past the edge (how the `overlap` schedule's race first showed,
+        at (1000, 999), (129, 1000) and (1000, 129))."""
+        sizes = super().check_sizes(problem)
+        Sq, Skv = problem.seqlen_q, problem.seqlen_kv
+        if Skv > 2:
+            sizes.append({"seqlen_kv": Skv // 2 + 1})
+        if Sq > 2:
+            sizes.append({"seqlen_q": Sq // 2 + 1})
+        return sizes
+
 
 def _future(Sq: int, Skv: int, device: torch.device) -> torch.Tensor:
     """The keys each query may not see under the bottom-right-aligned causal mask."""
