@@ -1,5 +1,5 @@
 """The kernel hash that tuning records carry: code edits change it, comment, docstring and layout
-edits do not."""
+edits do not, and it covers only the modules the tile programs use (no host-side code)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from tileops.spec import _tileops_imports, code_tokens
 KERNEL_MODULES = sorted({spec.kernel_module for spec in SPECS.values()})
 # Every module some kernel hash covers: the kernel modules and the helpers they import.
 HASHED = sorted({m for k in KERNEL_MODULES for m in (k, *_tileops_imports(k))})
+# Host-side code: how kernels are called and configured, and the MXFP4 codec.
+HOST_ONLY = {"tileops.ops.host", "tileops.ops.mxfp4.format", "tileops.spec", "tileops.dispatch"}
 
 
 def source(module: str) -> str:
@@ -157,3 +159,24 @@ def test_a_code_edit_in_a_shared_helper_changes_the_hashes_of_its_users(edited_s
     after = hashes()
     changed = {name for name in SPECS if after[name] != before[name]}
     assert changed == {"attention", "mla_decode"}
+
+
+def test_a_host_side_edit_keeps_every_kernel_hash(edited_sources):
+    before = hashes()
+    edited_sources("tileops.ops.host", lambda src: src.replace("99 * 1024", "98 * 1024"))
+    edited_sources("tileops.ops.mxfp4.format", lambda src: src + "\nEXTRA = 1\n")
+    assert hashes() == before
+
+
+def test_kernel_hash_follows_the_helpers_a_kernel_module_imports():
+    assert _tileops_imports("tileops.ops.attention.kernels") == {
+        "tileops.ops.common", "tileops.ops.online_softmax"}
+    assert _tileops_imports("tileops.ops.mxfp4.kernels") == {
+        "tileops.ops.common", "tileops.ops.cpu_tiles", "tileops.ops.gpu_tiles",
+        "tileops.ops.mxfp4.constants"}
+
+
+def test_no_kernel_module_reaches_host_side_code():
+    """Host code imported by a kernel module would stale tuning records on host-only edits."""
+    assert not set(HASHED) & HOST_ONLY
+    assert not [m for m in HASHED if m.endswith(".spec")]
