@@ -15,9 +15,11 @@ import functools
 import hashlib
 import importlib
 import inspect
+import io
 import itertools
 import json
 import math
+import tokenize
 import tomllib
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, NamedTuple
@@ -28,6 +30,7 @@ from .resources import data_dir
 from .target import Target
 
 Config = dict[str, Any]
+Position = tuple[int, int]  # (row, column) in source, as tokenize gives them
 
 
 def pow2_bucket(n: int) -> int:
@@ -170,8 +173,9 @@ class OpSpec(abc.ABC):
         return {}
 
     def kernel_hash(self) -> str:
-        """Hash of the kernel builders' source and of the shared helpers they call: records made
-        for other kernels are stale."""
+        """Hash of the code of the kernel builders and of the shared helpers they import: records
+        made for other kernels are stale. Comments, docstrings and layout do not count, and
+        host-side code (this spec, `ops/host.py`) is outside it."""
         return _module_hash(type(self).kernel_module)
 
     kernel_module: ClassVar[str]  # dotted module holding the tile programs
@@ -225,11 +229,81 @@ def _spaces(op: str) -> dict[str, dict[str, Any]]:
 
 @functools.cache
 def _module_hash(module: str) -> str:
-    """Hash of a kernel module's source and of every tileops module it imports, transitively,
-    in name order: a change to a helper stales the records of the operators that use it."""
-    source = "".join(inspect.getsource(importlib.import_module(m))
-                     for m in (module, *sorted(_tileops_imports(module))))
-    return hashlib.sha256(source.encode()).hexdigest()[:16]
+    """Hash of the code of a kernel module and of every tileops module it imports, transitively,
+    in name order: a change to a helper stales the records of the operators that use it. Only
+    code counts (`code_tokens`): editing a comment or docstring keeps the records."""
+    tokens = [code_tokens(inspect.getsource(importlib.import_module(m)))
+              for m in (module, *sorted(_tileops_imports(module)))]
+    return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
+
+
+def code_tokens(source: str) -> list[str]:
+    """The tokens of Python source that make it behave: comments, docstrings (of the module, its
+    classes and functions), blank lines and line breaks inside brackets dropped, indentation kept
+    as structure only (INDENT/DEDENT, not its width). Each token is its type and text, so that
+    whitespace edits give the same list; the list is the same on Pythons 3.11 to 3.13."""
+    lines = io.StringIO(source).readlines()
+    docstrings = _docstring_spans(source, lines)
+    out: list[str] = []
+    after_docstring = False  # a docstring's NEWLINE goes with it
+    for kind, text, start, end in _whole_fstrings(tokenize.generate_tokens(iter(lines).__next__),
+                                                  lines):
+        if kind in ("COMMENT", "NL", "ENDMARKER"):
+            continue
+        if any(first <= start and end <= last for first, last in docstrings):
+            after_docstring = True
+            continue
+        if kind == "NEWLINE" and after_docstring:
+            after_docstring = False
+            continue
+        after_docstring = False
+        out.append(kind if kind in ("NEWLINE", "INDENT", "DEDENT") else f"{kind} {text}")
+    return out
+
+
+def _whole_fstrings(tokens: Iterator[tokenize.TokenInfo], lines: list[str]
+                    ) -> Iterator[tuple[str, str, Position, Position]]:
+    """(type name, text, start, end) of each token, an f-string as one STRING token: Python 3.12
+    splits f-strings into parts (FSTRING_START ... FSTRING_END), earlier versions do not."""
+    depth, start = 0, (0, 0)
+    for tok in tokens:
+        kind = tokenize.tok_name[tok.type]
+        if kind == "FSTRING_START":
+            depth += 1
+            start = tok.start if depth == 1 else start
+        elif kind == "FSTRING_END":
+            depth -= 1
+            if not depth:
+                yield "STRING", _text(lines, start, tok.end), start, tok.end
+        elif not depth:
+            yield kind, tok.string, tok.start, tok.end
+
+
+def _docstring_spans(source: str, lines: list[str]) -> list[tuple[Position, Position]]:
+    """(start, end) token positions of the docstrings of a module, its classes and functions."""
+    spans = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        first = node.body[0] if node.body else None
+        if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)):
+            spans.append((_position(lines, first.lineno, first.col_offset),
+                          _position(lines, first.end_lineno, first.end_col_offset)))
+    return spans
+
+
+def _position(lines: list[str], row: int, byte_col: int) -> Position:
+    """A tokenize position (characters) from an ast one (UTF-8 bytes)."""
+    return row, len(lines[row - 1].encode()[:byte_col].decode())
+
+
+def _text(lines: list[str], start: Position, end: Position) -> str:
+    """The source between two tokenize positions."""
+    (r0, c0), (r1, c1) = start, end
+    if r0 == r1:
+        return lines[r0 - 1][c0:c1]
+    return lines[r0 - 1][c0:] + "".join(lines[r0:r1 - 1]) + lines[r1 - 1][:c1]
 
 
 def _tileops_imports(module: str, seen: frozenset[str] = frozenset()) -> set[str]:

@@ -11,8 +11,8 @@ Order, in the spirit of MIOpen's system + user perf-db:
 Within the databases an exact problem match in any layer wins over the nearest tuned problem of
 the same operator and target (kind, arch, device). A database that is missing, locked, corrupt or
 of a newer schema is skipped with one warning, never an exception. Records made with another
-TileLang version or another kernel source are stale: skipped, with one warning per database and
-operator (`tileops db verify` lists them).
+TileLang version or another version of the kernel code (`OpSpec.kernel_hash`) are stale:
+skipped, with one warning per database and operator (`tileops db verify` lists them).
 """
 
 from __future__ import annotations

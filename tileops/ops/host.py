@@ -1,9 +1,10 @@
-"""Host-side helpers of the GPU specs: the checks and defaults of the decode knobs of
-`gpu_tiles` (swap_ab, split_k), and the calling convention of compiled GPU programs.
+"""Host-side helpers of the specs: dtype tables, shared-memory limits, the checks and defaults of
+the decode knobs of `gpu_tiles` (swap_ab, split_k), and the calling conventions of compiled
+programs (CPU bf16 tensors as their bits, GPU workspaces).
 
-Kept apart from `common`, whose source is part of every kernel's hash: changing how a kernel is
+Kept apart from `common`, whose code is part of every kernel's hash: changing how a kernel is
 called or which configurations are tried does not change the kernels, so it must not make tuning
-records stale.
+records stale. No kernel module imports this one.
 """
 
 from __future__ import annotations
@@ -12,7 +13,34 @@ from typing import Any
 
 import torch
 
-from .common import DTYPES, smem_limit
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# Shared memory (LDS on AMD, threadgroup memory on Apple) one thread block may use, by arch (bytes).
+SMEM_LIMIT = {"sm_90": 227 * 1024, "sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024,
+              "gfx950": 160 * 1024, "apple": 32 * 1024}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """"bfloat16" for torch.bfloat16, and a readable name for dtypes outside the table."""
+    return DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def smem_limit(arch: str) -> int:
+    """Shared memory (bytes) one thread block may use on an arch (`sm_90a`, `gfx942`, `apple`)."""
+    if arch.startswith("sm_"):
+        return SMEM_LIMIT.get(arch.rstrip("a"), 99 * 1024)
+    return SMEM_LIMIT.get(arch, 64 * 1024)  # 64 KiB of LDS on CDNA and RDNA
+
+
+class BitsAdapter:
+    """Calls a CPU kernel with bf16 tensors viewed as their uint16 bit patterns."""
+
+    def __init__(self, kernel: Any):
+        self.kernel = kernel
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        self.kernel(*(t.view(torch.uint16) if t.dtype is torch.bfloat16 else t for t in tensors))
 
 
 def check_decode_knobs(M: int, K: int, config: dict, arch: str, min_block_M: int) -> str | None:

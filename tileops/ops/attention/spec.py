@@ -31,7 +31,7 @@ import torch
 
 from ...spec import Call, Config, OpSpec, pow2_bucket
 from ...target import Target
-from ..common import DTYPE_NAMES, DTYPE_SIZES, DTYPES, BitsAdapter, dtype_name, smem_limit
+from ..host import DTYPE_NAMES, DTYPE_SIZES, DTYPES, BitsAdapter, dtype_name, smem_limit
 from . import kernels
 
 SUPPORTED = {"cuda": ("float16", "bfloat16"), "cpu": ("float32", "float16", "bfloat16")}

@@ -15,11 +15,10 @@ import torch
 
 from ...spec import Call, Config, OpSpec, pow2_bucket
 from ...target import Target
-from ..common import DTYPE_NAMES as _NAMES
-from ..common import DTYPE_SIZES as _SIZES
-from ..common import DTYPES, BitsAdapter, smem_limit
-from ..common import dtype_name as _name
-from ..host import check_decode_knobs, gpu_adapter
+from ..host import DTYPE_NAMES as _NAMES
+from ..host import DTYPE_SIZES as _SIZES
+from ..host import DTYPES, BitsAdapter, check_decode_knobs, gpu_adapter, smem_limit
+from ..host import dtype_name as _name
 from . import kernels
 
 # What each device type's kernels take as inputs.

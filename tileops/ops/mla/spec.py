@@ -26,7 +26,8 @@ import torch
 
 from ...spec import Call, Config, OpSpec, pow2_bucket
 from ...target import Target
-from ..common import DTYPE_SIZES, DTYPES, LOG2E, dtype_name, smem_limit
+from ..common import LOG2E
+from ..host import DTYPE_SIZES, DTYPES, dtype_name, smem_limit
 from . import kernels
 from .kernels import D_LATENT, D_QK, PAGE
 

@@ -21,13 +21,7 @@ from __future__ import annotations
 
 import torch
 
-BLOCK = 32  # elements sharing one scale
-E2M1_EMAX = 2  # exponent of the largest E2M1 magnitude (6 = 1.5 * 2^2)
-E8M0_BIAS = 127
-E8M0_NAN = 255
-# The value of each of the 16 codes: magnitude by the low three bits, sign by bit 3.
-E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-E2M1_VALUES = E2M1_MAGNITUDES + tuple(-v for v in E2M1_MAGNITUDES)
+from .constants import BLOCK, E2M1_EMAX, E2M1_VALUES, E8M0_BIAS, E8M0_NAN
 
 
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,7 +35,7 @@ import tilelang.language as T
 from .. import gpu_tiles
 from ..common import ACCUM, bits
 from ..cpu_tiles import accumulate, stage, store, zero
-from .format import BLOCK, E2M1_VALUES
+from .constants import BLOCK, E2M1_VALUES
 
 
 def _nibble(word, k):

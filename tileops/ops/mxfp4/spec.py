@@ -19,10 +19,19 @@ import torch
 
 from ...spec import Call, Config, OpSpec, pow2_bucket
 from ...target import Target
-from ..common import DTYPE_SIZES, DTYPES, BitsAdapter, dtype_name, smem_limit
-from ..host import check_decode_knobs, decode_split_k, gpu_adapter
+from ..host import (
+    DTYPE_SIZES,
+    DTYPES,
+    BitsAdapter,
+    check_decode_knobs,
+    decode_split_k,
+    dtype_name,
+    gpu_adapter,
+    smem_limit,
+)
 from . import kernels
-from .format import BLOCK, check_packed, dequantize_mxfp4, quantize_mxfp4
+from .constants import BLOCK
+from .format import check_packed, dequantize_mxfp4, quantize_mxfp4
 
 SUPPORTED = ("bfloat16", "float16")  # A and C, on every device
 _ACCEPTED = {DTYPES[name] for name in SUPPORTED}
