@@ -4,8 +4,9 @@ a trial's time goes.
     python benchmarks/tuning_cost.py REPORTS_DIR [--storage JOURNAL ...] [--out FILE]
 
 `REPORTS_DIR` holds the cost reports of `tuning_db/h200.sh` (`tileops-tune --report`): one file
-per slice, `<op>-<slice>-<dtype>.jsonl`, one line per resumable part, so a slice's GPU seconds are
-the sum of its parts' wall seconds (the machine is held throughout, compiling included). The
+per slice, `<op>-<slice>-<dtype>.jsonl`, a line per finished problem and per stopped run
+(`tuner.cost`), so a slice's GPU seconds are the sum of its lines' wall seconds (the machine is
+held throughout, compiling included) however often it was stopped and resumed. The
 studies (`--storage`, the Optuna journals) give each counted trial's own phases
 (`tuner.evaluate.PHASES`, the benchmarking child's IPC and the compile process's seconds).
 
@@ -41,7 +42,8 @@ def slice_rows(reports: Path) -> list[dict[str, Any]]:
         if not lines:
             continue
         rows.append({"slice": path.stem, "op": lines[0]["op"], "device": lines[0]["device"],
-                     "parts": len(lines), "problems": max(x["problems"] for x in lines),
+                     "lines": len(lines),
+                     "problems": len({x["problem"] for x in lines if x["problem"]}),
                      "counted_trials": sum(x["counted_trials"] for x in lines),
                      "abandoned_trials": sum(x["abandoned_trials"] for x in lines),
                      "gpu_seconds": round(sum(x["wall_s"] for x in lines), 1),
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "device": rows[0]["device"],
         "slices": [{k: r[k] for k in ("slice", "op", "problems", "counted_trials",
-                                      "abandoned_trials", "gpu_seconds", "parts",
+                                      "abandoned_trials", "gpu_seconds", "lines",
                                       "parent_seconds")} for r in rows],
         "trials_per_gpu_minute": round(per_minute, 1) if per_minute else None,
         "rebuild_gpu_minutes": round(sum(r["gpu_seconds"] for r in rows) / 60, 2),

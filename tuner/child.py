@@ -118,14 +118,27 @@ class Child:
             self._conn.close()
         self._process, self._conn, self._busy_since = None, None, None
 
-    def close(self) -> None:
-        """End the child politely (it exits when its pipe closes), killing it if it lingers."""
+    def hang_up(self) -> None:
+        """Ask an idle child to exit (it does when its pipe closes), without waiting for it."""
         if self._conn is not None and self._busy_since is None and self.alive:
             self._conn.close()
             self._conn = None
-            assert self._process is not None
+
+    def close(self) -> None:
+        """End the child politely (a busy one at once), killing it if it lingers."""
+        self.hang_up()
+        if self._conn is None and self._process is not None and self._process.is_alive():
             self._process.join(2)
         self.kill()
+
+
+def close_all(children: Iterable[Child]) -> None:
+    """End children together: all are asked to exit before any is waited for."""
+    children = list(children)
+    for child in children:
+        child.hang_up()
+    for child in children:
+        child.close()
 
 
 class Pool:

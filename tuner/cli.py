@@ -19,7 +19,6 @@ import math
 import os
 import signal
 import sys
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -127,18 +126,18 @@ def tune(args: argparse.Namespace) -> int:
             return precompile(plan, Progress(quiet=args.quiet))
         return 0
     _check_writable(db)
-    if args.report:
-        try:
-            cost.check_writable(args.report)
-        except OSError as e:
-            raise UsageError(f"--report {args.report}: {e.strerror or e}") from None
+    try:
+        recorder = cost.Recorder(args.report, spec, target) if args.report else None
+    except OSError as e:
+        raise UsageError(f"--report {args.report}: {e.strerror or e}") from None
     log.info("tuning %d %s problem(s) on %s with %d worker(s); records go to %s, studies to %s",
              len(problems), spec.name, target.describe(), len(devices), db, plan.storage)
-    started = time.perf_counter()
-    results = sweep.run(plan, Progress(quiet=args.quiet))
-    if args.report:
-        cost.append(args.report, cost.run_line(spec, target, results,
-                                               time.perf_counter() - started))
+    try:
+        results = sweep.run(plan, Progress(quiet=args.quiet),
+                            on_result=recorder.add if recorder else None)
+    finally:
+        if recorder:
+            recorder.close()
     if not args.quiet:
         print(results_table(results))
     tuned = [r.task.problem for r in results if r.decision is not None]

@@ -18,7 +18,7 @@ from typing import Any
 
 from tileops.db.storage import canonical
 
-from .child import Child, ChildError, Outcome, Pool, run_parallel
+from .child import Child, ChildError, Outcome, Pool, close_all, run_parallel
 from .evaluate import Job, Measurement, compile_job, measure, ready, retime
 
 # Seconds a child may take to start and import torch and TileLang.
@@ -114,8 +114,7 @@ class Session:
             return [Measurement(failure=e.kind, reason=e.reason) for _ in jobs]
 
     def close(self) -> None:
-        for child in (self.bench, *self.compilers):
-            child.close()
+        close_all((self.bench, *self.compilers))
 
     def __enter__(self) -> Session:
         return self

@@ -14,6 +14,7 @@ import logging
 import multiprocessing as mp
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,10 +103,12 @@ class Result:
     seconds: dict[str, float] = field(default_factory=dict)  # the parent's wall time, by part
 
 
-def run(plan: Plan, progress: Progress) -> list[Result]:
+def run(plan: Plan, progress: Progress,
+        on_result: Callable[[Result], None] | None = None) -> list[Result]:
+    """Search and record every problem of the plan; `on_result` is told of each as it ends."""
     storage = studies.open_storage(plan.storage)
     if len(plan.devices) > 1:
-        return _run_workers(plan, storage, progress)
+        return _run_workers(plan, storage, progress, on_result)
     results: list[Result] = []
     with Session(plan.devices[0], plan.jobs, plan.trial_timeout) as session:
         for problem in plan.problems:
@@ -116,6 +119,8 @@ def run(plan: Plan, progress: Progress) -> list[Result]:
             results.append(_finish(plan, session, task, study, before, report))
             if len(results) == 1:  # the first problem's time includes starting the children
                 results[0].seconds["child_start"] = session.startup_s
+            if on_result:
+                on_result(results[-1])
     return results
 
 
@@ -190,8 +195,8 @@ def _finish(plan: Plan, session: Session, task: Task, study: optuna.Study, befor
     return result
 
 
-def _run_workers(plan: Plan, storage: optuna.storages.BaseStorage, progress: Progress
-                 ) -> list[Result]:
+def _run_workers(plan: Plan, storage: optuna.storages.BaseStorage, progress: Progress,
+                 on_result: Callable[[Result], None] | None) -> list[Result]:
     tasks = [plan.task(p) for p in plan.problems]
     before = {task.problem: studies.read_ledger(_prepare(plan, storage, task)) for task in tasks}
     ctx = mp.get_context("spawn")
@@ -216,6 +221,8 @@ def _run_workers(plan: Plan, storage: optuna.storages.BaseStorage, progress: Pro
         for task in tasks:
             study = _open(plan, storage, task)
             results.append(_finish(plan, session, task, study, before[task.problem]))
+            if on_result:
+                on_result(results[-1])
     return results
 
 
