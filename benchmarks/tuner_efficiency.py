@@ -255,6 +255,9 @@ class Replay:
     def submit(self, tag: Any, job: Job) -> None:
         self._ready.append((tag, Outcome()))
 
+    def compile_ahead(self, jobs: list[Job]) -> None:
+        pass
+
     def finished(self, block: bool = False) -> list[tuple[Any, Outcome]]:
         done, self._ready = self._ready, []
         return done

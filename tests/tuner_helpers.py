@@ -96,6 +96,9 @@ class FakeSession:
     def submit(self, tag, job):
         self._compiling[tag] = self.compile_rounds
 
+    def compile_ahead(self, jobs):
+        pass
+
     def finished(self, block=False):
         from tuner.child import Outcome
 

@@ -123,9 +123,11 @@ class OpSpec(abc.ABC):
         text = json.dumps(self.space(target), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
-    def configs(self, problem: tuple, target: Target) -> Iterator[Config]:
-        """Every point of the grid that passes `check_config`."""
-        space = self.space(target)
+    def configs(self, problem: tuple, target: Target,
+                space: dict[str, list[Any]] | None = None) -> Iterator[Config]:
+        """Every point of the grid (of the target's space, or of `space`) that passes
+        `check_config`."""
+        space = self.space(target) if space is None else space
         keys = list(space)
         for values in itertools.product(*(space[k] for k in keys)):
             config = dict(zip(keys, values, strict=True))

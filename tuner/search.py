@@ -85,11 +85,12 @@ class SearchReport:
 
 
 def search(session: Session, study: optuna.Study, task: Task, limits: Limits,
-           progress: Progress, batch: int, seed: int = 0, time_baseline: bool = True
-           ) -> SearchReport:
+           progress: Progress, batch: int, seed: int = 0, time_baseline: bool = True,
+           ahead: list[Job] | None = None) -> SearchReport:
     """Ask, compile and measure trials of one study until a limit stops it. `batch` caps the
     trials asked at once; `time_baseline`: time the operator's baseline first (for the progress
-    line and the report; one of several workers sharing a study is enough)."""
+    line and the report; one of several workers sharing a study is enough); `ahead`: what the
+    next search will compile first, compiled once this one has asked its last."""
     started = time.monotonic()
     clock = _Clock()
     studies.reap_interrupted(study, task.space)
@@ -100,6 +101,7 @@ def search(session: Session, study: optuna.Study, task: Task, limits: Limits,
                 if time_baseline and stopped is None else None)
     clock.lap("baseline")
     progress.begin(task.label, limits.trials, ledger, baseline)
+    session.compile_ahead([])  # what the last search compiled ahead: this one asks for itself
     compiling: dict[int, tuple[Trial, Config]] = {}  # submitted compiles, by trial number
     compiled: deque[tuple[Trial, Config, Outcome]] = deque()  # waiting to be measured
     try:
@@ -112,7 +114,10 @@ def search(session: Session, study: optuna.Study, task: Task, limits: Limits,
                         session.submit(trial.number, task.job(config))
                         compiling[trial.number] = (trial, config)
                     clock.lap("ask")
-            if compiling or compiled:
+            if stopped is not None and ahead:
+                session.compile_ahead(ahead)
+                ahead = None
+            if compiling or compiled or (stopped is None and not session.free):
                 for number, outcome in session.finished(block=not compiled):
                     if number in compiling:  # else: a compile a timed-out search left behind
                         compiled.append((*compiling.pop(number), outcome))

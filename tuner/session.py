@@ -25,6 +25,7 @@ from .evaluate import Job, Measurement, compile_job, measure, ready, retime
 STARTUP_TIMEOUT = 120.0
 # Niceness of compile processes: the benchmarking child keeps its core when it needs it.
 COMPILE_NICE = 10
+_AHEAD = object()  # the tag of compiles ahead, whose outcomes only fill the kernel cache
 
 
 class Session:
@@ -48,6 +49,7 @@ class Session:
         self.startup_s = time.perf_counter() - started  # the children's start, for reports
         self._pool = Pool(self.compilers, trial_timeout)
         self._instant: list[tuple[Any, Outcome]] = []  # jobs=0: "compiled" at once
+        self._ahead: list[Job] = []  # compiles for the next search, while this one is done
 
     def _ready(self, children: list[Child]) -> None:
         """(Re)start children and wait until they have imported everything, so that start-up
@@ -85,11 +87,26 @@ class Session:
             return
         self._pool.submit(tag, compile_job, job)
 
+    def compile_ahead(self, jobs: list[Job]) -> None:
+        """Compile `jobs` (the next search's first candidates) on compile processes that come
+        free, until the next search starts (calling this with none), so that the gap between
+        two searches (re-timing, the next baseline) fills the kernel cache instead of idling."""
+        self._ahead = list(jobs)
+        self._top_up()
+
     def finished(self, block: bool = False) -> list[tuple[Any, Outcome]]:
         """Compiles that ended since the last call, as (tag, outcome); with `block`, wait for at
-        least one while any runs. An outcome's value is (seconds, program)."""
+        least one while any runs (compiles ahead included: a slot comes free). An outcome's
+        value is (seconds, program)."""
         done, self._instant = self._instant, []
-        return done + self._pool.finished(block=block and not done)
+        done += [(tag, o) for tag, o in self._pool.finished(block=block and not done)
+                 if tag is not _AHEAD]
+        self._top_up()
+        return done
+
+    def _top_up(self) -> None:
+        while self._ahead and self._pool.idle:
+            self._pool.submit(_AHEAD, compile_job, self._ahead.pop(0))
 
     def measure(self, job: Job, seed: int, program: Any = None,
                 abandon_above_us: float | None = None) -> Measurement:

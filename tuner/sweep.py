@@ -25,6 +25,7 @@ from tileops.spec import Config, OpSpec
 from tileops.target import Target
 
 from . import studies, winners
+from .evaluate import Job
 from .progress import Progress
 from .search import ABANDON, Limits, SearchReport, Task, search
 from .session import Session
@@ -70,6 +71,18 @@ class Plan:
         assert self.space is not None
         return Task(self.spec, self.target, device or self.devices[0], problem, self.space)
 
+    def first_candidates(self, problem: tuple) -> list[Job]:
+        """What a search of `problem` compiles first: the whole grid, or the warm start."""
+        assert self.space is not None
+        if self.sampler == "grid":
+            configs = list(self.spec.configs(problem, self.target, self.space))
+        elif self.warm_start:
+            configs = [c for c, _ in warm_start_configs(self, problem)
+                       if studies.in_space(c, self.space)]
+        else:
+            configs = []
+        return [Job(self.spec, problem, self.target, self.devices[0], c) for c in configs]
+
     def limits(self) -> Limits:
         """The search's limits; a grid is searched whole (no patience)."""
         return Limits(self.trials, self.timeout,
@@ -111,11 +124,14 @@ def run(plan: Plan, progress: Progress,
         return _run_workers(plan, storage, progress, on_result)
     results: list[Result] = []
     with Session(plan.devices[0], plan.jobs, plan.trial_timeout) as session:
-        for problem in plan.problems:
+        for i, problem in enumerate(plan.problems):
             task = plan.task(problem)
             study = _prepare(plan, storage, task)
             before = studies.read_ledger(study)
-            report = search(session, study, task, plan.limits(), progress, plan.jobs, plan.seed)
+            ahead = plan.first_candidates(plan.problems[i + 1]) if i + 1 < len(plan.problems) \
+                else None
+            report = search(session, study, task, plan.limits(), progress, plan.jobs, plan.seed,
+                            ahead=ahead)
             results.append(_finish(plan, session, task, study, before, report))
             if len(results) == 1:  # the first problem's time includes starting the children
                 results[0].seconds["child_start"] = session.startup_s
