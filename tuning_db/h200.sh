@@ -77,17 +77,17 @@ run() {  # run ACTION OP SLICE
   # shellcheck disable=SC2046  # $(problems ...): one argument per word
   case $1 in
     compile)  # every point of the space (the grid), whatever the tuning sampler
-      python3 -m tuner tune "${op_args[@]}" $(problems "$2") --dtype "$dtype" --device "$H200" \
+      ${exec:-} python3 -m tuner tune "${op_args[@]}" $(problems "$2") --dtype "$dtype" --device "$H200" \
         "${space_args[@]}" --sampler grid --dry-run --compile --jobs "$JOBS" > /dev/null ;;
     tune)
-      python3 -m tuner tune "${op_args[@]}" $(problems "$2") --dtype "$dtype" --device cuda \
+      ${exec:-} python3 -m tuner tune "${op_args[@]}" $(problems "$2") --dtype "$dtype" --device cuda \
         "${space_args[@]}" --sampler "$sampler" --trials "$trials" "${extra[@]}" --db "$DB" \
         --workers "$WORKERS" --jobs "$JOBS" --report "$REPORTS/$2-$3-$dtype.jsonl" ;;
   esac
 }
 
 case "${1:-}" in
-  compile|tune) [[ $# -eq 3 ]] || usage; run "$1" "$2" "$3" ;;
+  compile|tune) [[ $# -eq 3 ]] || usage; exec=exec run "$1" "$2" "$3" ;;  # signals reach python
   all)
     for s in $SLICES; do run tune "${s%%:*}" "${s##*:}"; done
     for s in gemm:decode gemm:m64 gemm:prefill; do DTYPE=float16 run tune gemm "${s##*:}"; done ;;
