@@ -35,6 +35,29 @@ def pow2_bucket(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def check_scale(scale: Any, who: str) -> float:
+    """A softmax scale given by the caller, as a float: a finite real number (a NaN or infinite
+    scale would turn every score into NaN)."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{who}: softmax_scale must be a number, got {type(scale).__name__} "
+                        f"{scale!r}")
+    if not math.isfinite(scale):
+        raise ValueError(f"{who}: softmax_scale must be finite, got {scale}")
+    return float(scale)
+
+
+def refuse_grad(who: str, **tensors: torch.Tensor) -> None:
+    """Raise for an input that requires grad under grad mode: the operators have no backward
+    yet, and a result cut off from the graph would drop its gradients silently."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise RuntimeError(f"{who} has no backward: {name} requires grad; call it under "
+                               "torch.no_grad() or torch.inference_mode(), or pass "
+                               f"{name}.detach()")
+
+
 class Call(NamedTuple):
     """A validated call: where it runs, its problem key and the arguments the kernel launch takes."""
 
