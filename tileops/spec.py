@@ -75,6 +75,10 @@ class OpSpec(abc.ABC):
     """
 
     name: ClassVar[str]
+    aliases: ClassVar[tuple[str, ...]] = ()  # other names the command line and lookups accept
+    function: ClassVar[str]  # the public call, e.g. "tileops.gemm(a, b, *, out_dtype=None)"
+    problem_syntax: ClassVar[str]  # what `parse_problem` reads, e.g. "MxNxK[:kn|:nk]"
+    dtypes: ClassVar[dict[str, tuple[str, ...]]]  # input dtypes by device type ("cuda", "cpu")
     Problem: ClassVar[type]
     bucketed: ClassVar[tuple[str, ...]] = ()
     categorical: ClassVar[tuple[str, ...]] = ()  # problem fields that must match exactly

@@ -77,6 +77,12 @@ class RepeatedKV:
 
 class AttentionSpec(OpSpec):
     name = "attention"
+    aliases = ("flash_attention",)
+    function = ("tileops.flash_attention(q, k, v, *, causal=False, softmax_scale=None, "
+                "return_lse=False)")
+    problem_syntax = ("BxSQxSKVxHQxHKVxD[:causal] or BxSxHxD[:causal], e.g. "
+                      "8x4096x4096x32x8x128:causal")
+    dtypes = SUPPORTED
     Problem = AttentionProblem
     bucketed = ("seqlen_q", "seqlen_kv")
     categorical = ("heads_q", "heads_kv", "head_dim", "causal", "dtype")

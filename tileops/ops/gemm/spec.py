@@ -38,6 +38,9 @@ class GemmProblem(NamedTuple):
 
 class GemmSpec(OpSpec):
     name = "gemm"
+    function = "tileops.gemm(a, b, *, out_dtype=None)"
+    problem_syntax = "MxNxK[:kn|:nk], e.g. 4096x4096x4096 (B is (K, N) with :kn, w.t() with :nk)"
+    dtypes = SUPPORTED
     Problem = GemmProblem
     bucketed = ("M",)
     categorical = ("dtype", "layout", "out_dtype")

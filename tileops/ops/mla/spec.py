@@ -58,6 +58,10 @@ class MlaArgs(NamedTuple):
 
 class MlaDecodeSpec(OpSpec):
     name = "mla_decode"
+    function = ("tileops.mla_decode(q, kv_cache, block_table, cache_seqlens, *, "
+                "softmax_scale=None, head_dim_v=512, validate=True)")
+    problem_syntax = "B<batch>xS<seqlen>xH<h_q>[xQ<s_q>], e.g. B64xS4096xH128 or B4xS1000xH16xQ2"
+    dtypes = SUPPORTED
     Problem = MlaProblem
     bucketed = ("seqlen",)
     categorical = ("h_q", "s_q", "dtype")

@@ -51,6 +51,9 @@ class PackedWeight:
 
 class Mxfp4GemmSpec(OpSpec):
     name = "mxfp4_gemm"
+    function = "tileops.mxfp4_gemm(a, w_fp4, w_scale)"
+    problem_syntax = "MxNxK (weight N x K, K a multiple of 32), e.g. 16x4096x4096"
+    dtypes = {"cuda": SUPPORTED, "cpu": SUPPORTED}
     Problem = Mxfp4Problem
     bucketed = ("M",)
     categorical = ("dtype",)
