@@ -19,6 +19,7 @@ import itertools
 import json
 import math
 import tomllib
+import typing
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, NamedTuple
 
@@ -105,6 +106,16 @@ class OpSpec(abc.ABC):
         return dict(zip(self.Problem._fields, problem, strict=True))
 
     def problem_from_dict(self, d: dict[str, Any]) -> tuple:
+        """A problem from its fields (a database record, a suite table); a ValueError says which
+        field is missing or of the wrong type."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a {self.name} problem must be an object of its fields, got {d!r}")
+        for field, kind in _field_types(self.Problem).items():
+            if field not in d:
+                raise ValueError(f"{self.name} problem {d}: no field {field!r}")
+            if type(d[field]) is not kind:  # exact: True is not an int size, 16 not a dtype
+                raise ValueError(f"{self.name} problem field {field} = {d[field]!r}: expected "
+                                 f"{kind.__name__}")
         return self.Problem(**{f: d[f] for f in self.Problem._fields})
 
     def problem_label(self, problem: tuple) -> str:
@@ -163,6 +174,26 @@ class OpSpec(abc.ABC):
     def check_config(self, problem: tuple, config: Config, target: Target) -> str | None:
         """Why a configuration cannot work for this problem and target (None: it can)."""
         return None
+
+    def config_error(self, problem: tuple, config: Any, target: Target, *,
+                     within_space: bool = False) -> str | None:
+        """Why a configuration that did not come from the search (a database record,
+        `TILEOPS_CONFIG`) must not be built (None: it may), checked before `check_config`, which
+        assumes well-formed values: it must set exactly the space's parameters; an integer
+        parameter takes an integer, at least 1 (0 where the space has 0) and, `within_space`,
+        at most the space's largest value (tiles beyond it can overflow the CPU stack); any other
+        parameter one of the space's values."""
+        if not isinstance(config, dict):
+            return f"a configuration must be an object, got {config!r}"
+        space = self.space(target)
+        if set(config) != set(space):
+            return f"must set exactly {sorted(space)}; got {sorted(config)}"
+        for name, allowed in space.items():
+            reason = _value_error(config[name], allowed, within_space)
+            if reason:
+                return f"{name} = {config[name]!r}: {reason}"
+        reason = self.check_config(problem, config, target)
+        return f"refused by check_config: {reason}" if reason else None
 
     # ---- kernels --------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -233,6 +264,25 @@ class OpSpec(abc.ABC):
     def tolerance(self, problem: tuple) -> float:
         """Largest accepted relative error ||out - ref|| / ||ref||."""
         return 1e-2
+
+
+def _value_error(value: Any, allowed: list[Any], within_space: bool) -> str | None:
+    """Why one parameter value is unusable (see `OpSpec.config_error`)."""
+    if not all(type(v) is int for v in allowed):
+        return None if value in allowed else f"expected one of {allowed}"
+    if type(value) is not int:
+        return "expected an integer"
+    low = min(min(allowed), 1)
+    if value < low:
+        return f"must be >= {low}"
+    if within_space and value > max(allowed):
+        return f"must be <= {max(allowed)}, the largest value of the space"
+    return None
+
+
+@functools.cache
+def _field_types(problem: type) -> dict[str, type]:
+    return typing.get_type_hints(problem)
 
 
 @functools.cache
