@@ -219,8 +219,9 @@ def test_a_row_that_sees_no_key_gets_zeros_and_minus_inf_as_in_attention():
     # Unvalidated calls may ask for sequences shorter than s_q: an empty sequence, and with
     # s_q = 2 a length of 1 leaves token 0 no key. Such rows used to come out NaN from the
     # combine (-inf - -inf); flash_attention gives zeros and a log-sum-exp of -inf.
-    for s_q, seqlens, config in [(1, [0, 70], {"block_H": 16, "block_N": 32, "num_splits": 1}),
-                                 (2, [0, 1, 150], {"block_H": 32, "block_N": 16, "num_splits": 3})]:
+    cases = [(1, [0, 70], {"block_H": 16, "block_N": 32, "num_splits": 1}, 16),
+             (2, [0, 1, 150], {"block_H": 32, "block_N": 16, "num_splits": 3}, 2 * 16 + 16)]
+    for s_q, seqlens, config, rows_without_keys in cases:
         q, kv, table, lens = paged([max(n, 1) for n in seqlens], 16, s_q, seed=s_q)
         lens = torch.tensor(seqlens, dtype=torch.int32)
         problem = MLA_DECODE.prepare(q, kv, table, lens, validate=False).problem
@@ -229,7 +230,7 @@ def test_a_row_that_sees_no_key_gets_zeros_and_minus_inf_as_in_attention():
         out, lse = MLA_DECODE.launch(kernel, call.args)
         ref_out, ref_lse = reference(q, kv, table, lens)
         unseen = torch.isneginf(ref_lse).transpose(1, 2)  # (batch, s_q, h_q)
-        assert unseen[0].all() and unseen[-1].sum() == 0 and unseen.sum() == 16 * s_q
+        assert unseen[0].all() and unseen[-1].sum() == 0 and unseen.sum() == rows_without_keys
         assert (out[unseen] == 0).all() and not out.isnan().any()
         assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
         check(out, lse.nan_to_num(neginf=0), (ref_out, ref_lse.nan_to_num(neginf=0)), 1e-5)

@@ -271,7 +271,7 @@ def _devices(text: str, workers: int, dry_run: bool = False) -> tuple[Target, li
                          "on the same cores and each measurement would include the others' "
                          "load; use one worker (--jobs sets the compile processes)")
     if device.type != "cuda":
-        raise UsageError(f"--workers {workers}: several workers need CUDA/ROCm GPUs or the CPU")
+        raise UsageError(f"--workers {workers}: several workers need CUDA/ROCm GPUs")
     first = device.index or 0
     if first + workers > torch.cuda.device_count():
         raise UsageError(f"--workers {workers} from cuda:{first}: only "
@@ -422,7 +422,7 @@ def tileops_main(argv: Sequence[str] | None = None) -> int:
 
 def tune_python(op: str, shapes: str | Sequence[str], **options: Any) -> Outcome:
     """`tileops-tune --op OP --shape S ...` from Python: options are the command's long options
-    with underscores (`trials=8`, `dtype="float16"`, `dry_run=True`); lists repeat an option.
+    with underscores (`trials=8`, `dtype="float16"`, `no_warm_start=True`); lists repeat an option.
     Mistakes raise `UsageError` instead of exiting."""
     argv = ["--op", op]
     for shape in [shapes] if isinstance(shapes, str) else shapes:
