@@ -17,9 +17,10 @@ a configuration this installation can build (`read_record`): every value taken f
 is validated before use.
 
 `TILEOPS_CONFIG` is validated like a record, and more strictly (`OpSpec.config_error` with
-`within_space`): exactly the space's parameters, integers within the range of the target's space
-(values between its points are allowed, for debugging), other values among the space's, and
-`check_config`; anything else raises a ValueError at the first call.
+`within_space`): exactly the space's parameters, integers from 1 (0 where the space has 0) up to
+the largest value of the target's space (values between its points are allowed, for debugging),
+other values among the space's, and `check_config`; anything else raises a ValueError at the
+first call.
 """
 
 from __future__ import annotations
