@@ -182,3 +182,37 @@ def test_flash_backend_is_reported_beside_the_baseline_on_cuda_only():
     problem = ATTENTION.Problem(1, 64, 64, 4, 2, 64, True, "float32")
     call = ATTENTION.prepare(*ATTENTION.make_inputs(problem, CPU, seed=1))
     assert ATTENTION.reported_beside(call.args) == {}
+
+
+def test_nan_inputs_propagate_and_only_rows_without_keys_get_zeros():
+    # One NaN in k made every output of its head zero with a log-sum-exp of -inf; SDPA and the
+    # reference give NaN. Queries that see no key still get zeros and -inf.
+    q, k, v = torch.randn(1, 70, 4, 64), torch.randn(1, 37, 2, 64), torch.randn(1, 37, 2, 64)
+    k[0, 5, 1, 7] = float("nan")  # key 5 of KV head 1 (query heads 2 and 3)
+    q[0, 50, 0] = float("nan")  # a NaN query row
+    for causal in (False, True):
+        out, lse = tileops.flash_attention(q, k, v, causal=causal, return_lse=True)
+        ref_out, ref_lse = ATTENTION.reference((q, k, v, causal))
+        assert torch.equal(out.isnan(), ref_out.isnan()) and out.isnan().any()
+        assert torch.equal(lse.isnan(), ref_lse.isnan())
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+        sdpa = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)
+        if not causal:
+            assert torch.equal(out.isnan(), sdpa.transpose(1, 2).isnan())
+        else:  # queries 0..32 see no key, 33..37 only keys before the NaN one
+            assert (out[0, :33] == 0).all() and torch.isneginf(lse[0, :, :33]).all()
+            assert not out[0, 33:38].isnan().any() and out[0, 38:, 2:].isnan().all()
+        finite = ~ref_out.isnan()
+        assert rel_error(out[finite], ref_out[finite]) < 1e-5
+
+
+@pytest.mark.parametrize(("scale", "exc", "match"), [
+    (float("nan"), ValueError, "finite"), (float("inf"), ValueError, "finite"),
+    (-float("inf"), ValueError, "finite"), ("x", TypeError, "must be a number"),
+    (True, TypeError, "must be a number"),
+])
+def test_bad_softmax_scale_is_refused(scale, exc, match):
+    q = torch.randn(1, 4, 2, 64)
+    with pytest.raises(exc, match=match):
+        tileops.flash_attention(q, q, q, softmax_scale=scale)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import warnings
 
@@ -72,11 +73,13 @@ def test_records_of_other_targets_are_never_served(tmp_path, use_dbs):
     h200 = Target("cuda", "sm_90a", "NVIDIA H200", 132)
     mi300 = Target("hip", "gfx942", "AMD Instinct MI300X", 304)
     other_cpu = Target("cpu", CPU_T.arch, "another cpu", 64)
-    gpu_cfg = {"block_M": 128, "block_N": 256, "block_K": 64, "num_stages": 3, "threads": 256,
-               "swizzle": 8}
+    # Records are validated as the target would build them (check_config included).
+    gpu_cfg = {"block_M": 64, "block_N": 128, "block_K": 32, "num_stages": 3, "threads": 128,
+               "swizzle": 8, "split_k": 1, "swap_ab": 0}
+    hip_cfg = {"block_M": 128, "block_N": 128, "block_K": 32, "num_stages": 2, "threads": 256,
+               "swizzle": 0, "k_pack": 1}
     records = [make_record(GEMM, t, P, cfg, space_hash="x")
-               for t, cfg in ((h200, gpu_cfg), (mi300, dict(gpu_cfg, block_N=128)),
-                              (other_cpu, CFG_SHIP))]
+               for t, cfg in ((h200, gpu_cfg), (mi300, hip_cfg), (other_cpu, CFG_SHIP))]
     records.append(make_record(GEMM, CPU_T, P, CFG_USER))
     use_dbs(write_db(tmp_path / "multi.sqlite", records))
     assert choice().config == CFG_USER
@@ -108,9 +111,10 @@ def test_baseline_record_dispatches_to_the_baseline(tmp_path, use_dbs, monkeypat
 
 
 def test_override_config(monkeypatch):
-    monkeypatch.setenv("TILEOPS_CONFIG", '{"gemm": {"block_M": 2, "block_N": 8, "block_K": 8}}')
+    # Values between the space's points are allowed (block_M 2): the override is for debugging.
+    monkeypatch.setenv("TILEOPS_CONFIG", '{"gemm": {"block_M": 2, "block_N": 16, "block_K": 24}}')
     c = choice()
-    assert (c.source, c.config) == ("override", {"block_M": 2, "block_N": 8, "block_K": 8})
+    assert (c.source, c.config) == ("override", {"block_M": 2, "block_N": 16, "block_K": 24})
     tileops.reset()
     monkeypatch.setenv("TILEOPS_CONFIG", '{"block_M": 2}')
     with pytest.raises(ValueError, match="must set exactly"):
@@ -213,3 +217,90 @@ def test_target_without_a_kernel_is_refused_clearly(monkeypatch):
         assert "ascend" in spec.unsupported_reason(ascend)
     with pytest.raises(NotImplementedError, match="gemm has no kernel for ascend"):
         tileops.gemm(torch.randn(2, 3), torch.randn(3, 4))
+
+
+@pytest.mark.parametrize(("config", "match"), [
+    ({"block_M": -32, "block_N": 32, "block_K": 64}, "block_M = -32: must be >= 1"),
+    ({"block_M": 0, "block_N": 32, "block_K": 64}, "block_M = 0: must be >= 1"),
+    ({"block_M": 100000, "block_N": 32, "block_K": 64}, "block_M = 100000: must be <= 64"),
+    ({"block_M": "32", "block_N": 32, "block_K": 64}, "block_M = '32': expected an integer"),
+    ({"block_M": 32.5, "block_N": 32, "block_K": 64}, "block_M = 32.5: expected an integer"),
+    ({"block_M": True, "block_N": 32, "block_K": 64}, "expected an integer"),
+    ({"block_M": 16, "block_N": 32}, "must set exactly"),
+    ({"gemm": {"block_M": 16, "block_N": 32, "block_K": 64, "x": 1}}, "must set exactly"),
+    ({"gemm": 5, "attention": {}}, "'gemm' must map to a configuration object"),
+    ({"gem": {"block_M": 16, "block_N": 32, "block_K": 64}}, "unknown operator 'gem'"),
+])
+def test_override_values_are_validated_like_any_configuration(monkeypatch, config, match):
+    # Negative tiles gave garbage, huge ones a segfault, 0 / "32" / 32.5 pages of CRITICAL logs.
+    monkeypatch.setenv("TILEOPS_CONFIG", json.dumps(config))
+    with pytest.raises(ValueError, match="TILEOPS_CONFIG") as e:
+        tileops.gemm(torch.randn(4, 8), torch.randn(8, 8))
+    assert match in str(e.value)
+
+
+def test_override_is_checked_by_the_operators_check_config(monkeypatch):
+    from tileops.ops.mla import MLA_DECODE
+
+    monkeypatch.setenv("TILEOPS_CONFIG", json.dumps(
+        {"mla_decode": {"block_H": 16, "block_N": 0, "num_splits": 1},
+         "flash_attention": {"block_M": 16, "block_N": 32}}))
+    problem = MLA_DECODE.parse_problem("B1xS64xH16", "float32")
+    with pytest.raises(ValueError, match="block_N = 0: must be >= 1"):  # not ZeroDivisionError
+        DISPATCHER.choice(MLA_DECODE, CPU_T, problem)
+    monkeypatch.setenv("TILEOPS_CONFIG", json.dumps(
+        {"mla_decode": {"block_H": 16, "block_N": 48, "num_splits": 1}}))
+    tileops.reset()
+    with pytest.raises(ValueError, match="refused by check_config: block_N 48 does not divide"):
+        DISPATCHER.choice(MLA_DECODE, CPU_T, problem)
+
+
+def _damage(path, sql, *params):
+    with sqlite3.connect(path) as conn:
+        conn.execute(sql, params)
+
+
+@pytest.mark.parametrize(("sql", "params", "match"), [
+    ("UPDATE tileops_meta SET value = ? WHERE key = 'schema_version'", ("two",),
+     "unreadable schema version 'two'"),
+    ("UPDATE tileops_meta SET value = ? WHERE key = 'schema_version'", ("0",),
+     "cannot migrate"),
+    ("UPDATE tileops_records SET config = ?", ("{not json",), "is not JSON"),
+    ("UPDATE tileops_records SET config = ?", ('["block_M"]',), "must be an object"),
+    ("UPDATE tileops_records SET config = ?", ('{"block_M": 16}',), "must set exactly"),
+    ("UPDATE tileops_records SET config = ?", ('{"block_M": "a", "block_N": 16, "block_K": 32}',),
+     "expected an integer"),
+    ("UPDATE tileops_records SET problem = ?", ("{}",), "unreadable problem"),
+    ("UPDATE tileops_records SET chosen = ?", ("maybe",), "chosen is 'maybe'"),
+    ("UPDATE tileops_records SET created_at = ?", ("yesterday",), "cannot read"),
+])
+def test_a_damaged_database_never_escapes_into_the_call(tmp_path, use_dbs, sql, params, match):
+    path = write_db(tmp_path / "d.sqlite", [make_record(GEMM, CPU_T, P, CFG_USER)])
+    _damage(path, sql, *params)
+    use_dbs(path)
+    _expect_warning_and_default(match)
+
+
+def test_a_damaged_neighbour_is_skipped_with_one_warning(tmp_path, use_dbs):
+    """A nearest-problem record with a missing key raised a bare KeyError from mla_decode; one
+    whose problem field has the wrong type a TypeError from the distance."""
+    from tileops.ops.mla import MLA_DECODE
+
+    problem = MLA_DECODE.parse_problem("B1xS64xH16", "float32")
+    near = make_record(MLA_DECODE, CPU_T, problem._replace(seqlen=128),
+                       {"block_H": 16, "num_splits": 1})
+    odd = make_record(MLA_DECODE, CPU_T, problem._replace(seqlen="32"),
+                      {"block_H": 16, "block_N": 32, "num_splits": 1})
+    use_dbs(write_db(tmp_path / "m.sqlite", [near, odd]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        c = DISPATCHER.choice(MLA_DECODE, CPU_T, problem)
+    assert c.source == "default"
+    (w,) = [w for w in caught if issubclass(w.category, TuningDatabaseWarning)]
+    assert "skipping 2 unusable mla_decode record(s)" in str(w.message)
+
+
+def test_user_database_that_is_a_directory(tmp_path, use_dbs):
+    (tmp_path / "dir.sqlite").mkdir()
+    use_dbs(tmp_path / "dir.sqlite")
+    _expect_warning_and_default("is a directory")

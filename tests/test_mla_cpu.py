@@ -171,7 +171,12 @@ def _bad(**change):
         ({"q": [[1.0]]}, TypeError, "q must be a tensor"),
         ({"softmax_scale": -0.1}, ValueError, "softmax_scale must be positive"),
         ({"softmax_scale": 0.0}, ValueError, "softmax_scale must be positive"),
-        ({"softmax_scale": float("nan")}, ValueError, "softmax_scale must be positive"),
+        ({"softmax_scale": float("nan")}, ValueError, "softmax_scale must be finite"),
+        ({"softmax_scale": float("inf")}, ValueError, "softmax_scale must be finite"),
+        ({"softmax_scale": "x"}, TypeError, "softmax_scale must be a number"),
+        ({name: (lambda t: t.to("meta")) for name in ("q", "kv_cache", "block_table",
+                                                      "cache_seqlens")},
+         ValueError, "CUDA and CPU tensors, not meta"),
     ],
 )
 def test_bad_input_is_refused_clearly(change, exc, match):
@@ -208,3 +213,32 @@ def test_under_torch_compile():
 def test_custom_op_is_registered():
     inputs = paged([50], 16, 1, seed=12)
     check(*torch.ops.tileops.mla_decode(*inputs), reference(*inputs), 1e-5)
+
+
+def test_a_row_that_sees_no_key_gets_zeros_and_minus_inf_as_in_attention():
+    # Unvalidated calls may ask for sequences shorter than s_q: an empty sequence, and with
+    # s_q = 2 a length of 1 leaves token 0 no key. Such rows used to come out NaN from the
+    # combine (-inf - -inf); flash_attention gives zeros and a log-sum-exp of -inf.
+    cases = [(1, [0, 70], {"block_H": 16, "block_N": 32, "num_splits": 1}, 16),
+             (2, [0, 1, 150], {"block_H": 32, "block_N": 16, "num_splits": 3}, 2 * 16 + 16)]
+    for s_q, seqlens, config, rows_without_keys in cases:
+        q, kv, table, lens = paged([max(n, 1) for n in seqlens], 16, s_q, seed=s_q)
+        lens = torch.tensor(seqlens, dtype=torch.int32)
+        problem = MLA_DECODE.prepare(q, kv, table, lens, validate=False).problem
+        kernel = dispatch.compile_kernel(MLA_DECODE, problem, config, target_of(CPU))
+        call = MLA_DECODE.prepare(q, kv, table, lens, validate=False)
+        out, lse = MLA_DECODE.launch(kernel, call.args)
+        ref_out, ref_lse = reference(q, kv, table, lens)
+        unseen = torch.isneginf(ref_lse).transpose(1, 2)  # (batch, s_q, h_q)
+        assert unseen[0].all() and unseen[-1].sum() == 0 and unseen.sum() == rows_without_keys
+        assert (out[unseen] == 0).all() and not out.isnan().any()
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+        check(out, lse.nan_to_num(neginf=0), (ref_out, ref_lse.nan_to_num(neginf=0)), 1e-5)
+
+
+def test_nan_in_the_cache_propagates():
+    q, kv, table, lens = paged([70, 40], 16, 1, seed=9)
+    kv[table[0, 1], 3, 0, 100] = float("nan")  # key 67 of sequence 0
+    out, lse = tileops.mla_decode(q, kv, table, lens)
+    assert out[0].isnan().all() and lse[0].isnan().all()
+    assert not out[1].isnan().any() and not lse[1].isnan().any()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from .dispatch import reset
 from .ops import SPECS, get_spec
 from .ops.attention import flash_attention
@@ -12,4 +15,23 @@ from .target import Target, target_of
 from .version import __version__
 
 __all__ = ["SPECS", "Target", "__version__", "dequantize_mxfp4", "flash_attention", "gemm",
-           "get_spec", "mla_decode", "mxfp4_gemm", "quantize_mxfp4", "reset", "target_of"]
+           "get_spec", "mla_decode", "mxfp4_gemm", "quantize_mxfp4", "reset", "target_of", "tune"]
+
+
+def tune(op: str, shapes: str | Sequence[str], *, device: str = "auto", trials: int = 32,
+         dtype: str | None = None, db: str | None = None, quiet: bool = False,
+         **options: Any) -> Any:
+    """Tune problems of an operator and record the winners, as `tileops-tune` does.
+
+    `shapes` are problems in the operator's syntax (`tileops ops` lists it), e.g.
+    `tileops.tune("gemm", ["1x4096x4096", "16x4096x4096"], device="cpu", dtype="float32")`.
+    Other options are the command's long options with underscores (`timeout=60`,
+    `sampler="random"`, `space='{"block_M": [16]}'`). Returns the tuner's `Outcome`: `.results`
+    (one `tuner.sweep.Result` per problem, `.decision` holding what was recorded), `.checks` (the
+    dispatch checks), `.unrecorded` and `.code`, the command's exit code. A mistake raises
+    `tuner.errors.UsageError`. Later calls in this process dispatch the new records.
+    """
+    from tuner.cli import tune_python  # the tuner (optuna, child processes) only when asked
+
+    return tune_python(op, shapes, device=device, trials=trials, dtype=dtype, db=db,
+                       quiet=quiet, **options)

@@ -21,6 +21,7 @@ import json
 import math
 import tokenize
 import tomllib
+import typing
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, NamedTuple
 
@@ -36,6 +37,29 @@ Position = tuple[int, int]  # (row, column) in source, as tokenize gives them
 def pow2_bucket(n: int) -> int:
     """The bucket of a run-time size: the next power of two at or above it (1, 2, 4, ... )."""
     return 1 << (n - 1).bit_length()
+
+
+def check_scale(scale: Any, who: str) -> float:
+    """A softmax scale given by the caller, as a float: a finite real number (a NaN or infinite
+    scale would turn every score into NaN)."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{who}: softmax_scale must be a number, got {type(scale).__name__} "
+                        f"{scale!r}")
+    if not math.isfinite(scale):
+        raise ValueError(f"{who}: softmax_scale must be finite, got {scale}")
+    return float(scale)
+
+
+def refuse_grad(who: str, **tensors: torch.Tensor) -> None:
+    """Raise for an input that requires grad under grad mode: the operators have no backward
+    yet, and a result cut off from the graph would drop its gradients silently."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise RuntimeError(f"{who} has no backward: {name} requires grad; call it under "
+                               "torch.no_grad() or torch.inference_mode(), or pass "
+                               f"{name}.detach()")
 
 
 class Call(NamedTuple):
@@ -55,6 +79,10 @@ class OpSpec(abc.ABC):
     """
 
     name: ClassVar[str]
+    aliases: ClassVar[tuple[str, ...]] = ()  # other names the command line and lookups accept
+    function: ClassVar[str]  # the public call, e.g. "tileops.gemm(a, b, *, out_dtype=None)"
+    problem_syntax: ClassVar[str]  # what `parse_problem` reads, e.g. "MxNxK[:kn|:nk]"
+    dtypes: ClassVar[dict[str, tuple[str, ...]]]  # input dtypes by device type ("cuda", "cpu")
     Problem: ClassVar[type]
     bucketed: ClassVar[tuple[str, ...]] = ()
     categorical: ClassVar[tuple[str, ...]] = ()  # problem fields that must match exactly
@@ -81,6 +109,16 @@ class OpSpec(abc.ABC):
         return dict(zip(self.Problem._fields, problem, strict=True))
 
     def problem_from_dict(self, d: dict[str, Any]) -> tuple:
+        """A problem from its fields (a database record, a suite table); a ValueError says which
+        field is missing or of the wrong type."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a {self.name} problem must be an object of its fields, got {d!r}")
+        for field, kind in _field_types(self.Problem).items():
+            if field not in d:
+                raise ValueError(f"{self.name} problem {d}: no field {field!r}")
+            if type(d[field]) is not kind:  # exact: True is not an int size, 16 not a dtype
+                raise ValueError(f"{self.name} problem field {field} = {d[field]!r}: expected "
+                                 f"{kind.__name__}")
         return self.Problem(**{f: d[f] for f in self.Problem._fields})
 
     def problem_label(self, problem: tuple) -> str:
@@ -141,6 +179,26 @@ class OpSpec(abc.ABC):
     def check_config(self, problem: tuple, config: Config, target: Target) -> str | None:
         """Why a configuration cannot work for this problem and target (None: it can)."""
         return None
+
+    def config_error(self, problem: tuple, config: Any, target: Target, *,
+                     within_space: bool = False) -> str | None:
+        """Why a configuration that did not come from the search (a database record,
+        `TILEOPS_CONFIG`) must not be built (None: it may), checked before `check_config`, which
+        assumes well-formed values: it must set exactly the space's parameters; an integer
+        parameter takes an integer, at least 1 (0 where the space has 0) and, `within_space`,
+        at most the space's largest value (tiles beyond it can overflow the CPU stack); any other
+        parameter one of the space's values."""
+        if not isinstance(config, dict):
+            return f"a configuration must be an object, got {config!r}"
+        space = self.space(target)
+        if set(config) != set(space):
+            return f"must set exactly {sorted(space)}; got {sorted(config)}"
+        for name, allowed in space.items():
+            reason = _value_error(config[name], allowed, within_space)
+            if reason:
+                return f"{name} = {config[name]!r}: {reason}"
+        reason = self.check_config(problem, config, target)
+        return f"refused by check_config: {reason}" if reason else None
 
     # ---- kernels --------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -221,6 +279,25 @@ class OpSpec(abc.ABC):
         fields = self.problem_dict(problem)
         inner = {f: fields[f] // 2 + 1 for f in self.bucketed if fields[f] > 2}
         return [{}, inner] if inner else [{}]
+
+
+def _value_error(value: Any, allowed: list[Any], within_space: bool) -> str | None:
+    """Why one parameter value is unusable (see `OpSpec.config_error`)."""
+    if not all(type(v) is int for v in allowed):
+        return None if value in allowed else f"expected one of {allowed}"
+    if type(value) is not int:
+        return "expected an integer"
+    low = min(min(allowed), 1)
+    if value < low:
+        return f"must be >= {low}"
+    if within_space and value > max(allowed):
+        return f"must be <= {max(allowed)}, the largest value of the space"
+    return None
+
+
+@functools.cache
+def _field_types(problem: type) -> dict[str, type]:
+    return typing.get_type_hints(problem)
 
 
 @functools.cache

@@ -2,11 +2,19 @@
 
     tileops-tune --device auto --op OP (--suite NAME | --problems FILE | --shape TEXT ...) [...]
     tileops tune ...                          (the same)
-    tileops db summary|show|export|merge|verify [...]
+    tileops ops                               (the operators, their problem syntax, dtypes, targets)
+    tileops db summary|show|export|merge|verify|migrate [...]
 
-Mistakes in what was asked for (unknown operator, target or suite, unreadable database, bad
-problem text) end with one line on stderr and exit code 2; Ctrl-C (or SIGTERM) leaves the studies
-and the database consistent and exits with 130: run the same command again to resume.
+Exit codes:
+    0    done: every problem has its record (this run's, or an earlier run's of the same study)
+    1    a problem ended without a record (every trial failed, or none ran before --timeout),
+         or dispatch did not run a new record correctly; `tileops db verify` found issues
+    2    a mistake in what was asked for (unknown operator, target or suite, unreadable or
+         unwritable database, bad problem text): one line on stderr, before any trial runs
+    130  interrupted: Ctrl-C (or SIGTERM) leaves the studies and the database consistent; run
+         the same command again to resume
+
+`tune_python` is the same sweep called from Python (`tileops.tune`).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import signal
 import sys
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +41,11 @@ from tileops.db import DatabaseError, TuningDB, default_user_db
 from tileops.db.storage import canonical
 from tileops.ops import SPECS, get_spec
 from tileops.spec import OpSpec
-from tileops.target import Target, parse_override, resolve_device
+from tileops.target import KINDS, Target, parse_override, resolve_device
 
-from . import cost, studies, suites, sweep
+from . import cost, studies, suites, sweep, winners
 from .dbcli import add_db_arguments, db_command
-from .dispatch_check import check_dispatch
+from .dispatch_check import Check, check_dispatch
 from .errors import UsageError
 from .evaluate import Job
 from .progress import Progress, table
@@ -48,7 +57,8 @@ log = logging.getLogger("tuner")
 
 # ---- tune ---------------------------------------------------------------------------------------
 def add_tune_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--op", help=f"operator to tune ({', '.join(SPECS)}); implied by --suite")
+    p.add_argument("--op", help=f"operator to tune ({', '.join(SPECS)}; `tileops ops` lists "
+                                "them with their problem syntax); implied by --suite")
     p.add_argument("--device", default="auto",
                    help="auto (first GPU, else the CPU), cpu, cuda[:N], hip, metal, or a TileLang "
                         'target dict such as \'{"kind": "cuda", "arch": "sm_90a"}\'')
@@ -107,7 +117,24 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress lines or summary")
 
 
+@dataclass
+class Outcome:
+    """What a sweep did: each problem's result, the dispatch checks of the new records, the exit
+    code (see the module docstring)."""
+
+    results: list[sweep.Result]
+    checks: list[Check]
+    unrecorded: list[sweep.Result]  # problems left without a record
+    code: int
+
+
 def tune(args: argparse.Namespace) -> int:
+    outcome = run_tune(args)
+    return outcome if isinstance(outcome, int) else outcome.code
+
+
+def run_tune(args: argparse.Namespace) -> Outcome | int:
+    """The sweep `args` asks for (an exit code for the dry run, which tunes nothing)."""
     spec, problems = _problems(args)
     target, devices = _devices(args.device, args.workers, dry_run=args.dry_run)
     space = _space(spec, target, args.space)
@@ -142,7 +169,7 @@ def tune(args: argparse.Namespace) -> int:
         print(results_table(results))
     tuned = [r.task.problem for r in results if r.decision is not None]
     checks = check_dispatch(spec, tuned, devices[0], db)
-    if not args.quiet:
+    if not args.quiet and checks:
         print("\ndispatch check (tileops called as a user would, against the float64 reference):")
         print(table(["problem", "resolved from", "runs", "rel. error", "ok"],
                     [[c.label, c.source, c.runs, f"{c.rel_error:.1e}", "yes" if c.ok else "NO"]
@@ -151,7 +178,24 @@ def tune(args: argparse.Namespace) -> int:
     for c in failed:
         log.error("dispatch check failed for %s: resolved from %s, relative error %.2e",
                   c.label, c.source, c.rel_error)
-    return 1 if failed else 0
+    unrecorded = [r for r in results if r.decision is None
+                  and not winners.already_recorded(db, r.task, r.ledger.counted)]
+    for r in unrecorded:
+        log.error("%s: nothing recorded: %s", r.task.label, what_happened(r))
+    return Outcome(results, checks, unrecorded, 1 if failed or unrecorded else 0)
+
+
+def what_happened(r: sweep.Result) -> str:
+    """Why a problem has no new record, in the user's terms."""
+    ledger = r.ledger
+    if ledger.counted == 0 and r.stopped == "timeout":
+        return "--timeout ran out before any trial ran"
+    if ledger.counted == 0 and ledger.skipped:
+        return f"check_config refused all {ledger.skipped} configuration(s) tried"
+    if ledger.counted and ledger.failed == ledger.counted:
+        return (f"all {ledger.counted} trial(s) failed (compile error, wrong output, crash or "
+                "time limit; the progress lines say which)")
+    return r.note or f"stopped: {r.stopped}"
 
 
 def dry_run(plan: sweep.Plan, lower: bool = False) -> str:
@@ -209,7 +253,8 @@ def results_table(results: list[sweep.Result]) -> str:
         rows.append([r.task.label, r.ledger.counted, r.ledger.failed - r.ledger.abandoned,
                      r.ledger.abandoned, best, base,
                      f"{base / best:.2f}x" if base and best else None,
-                     d.chosen if d else None, canonical(d.config) if d else r.note])
+                     d.chosen if d else None,
+                     canonical(d.config) if d else what_happened(r)])
     return table(["problem", "trials", "failed", "abandoned", "tile us", "baseline us", "speedup",
                   "chosen", "config"], rows)
 
@@ -243,10 +288,12 @@ def _devices(text: str, workers: int, dry_run: bool = False) -> tuple[Target, li
         raise UsageError(str(e)) from None
     if workers == 1:
         return target, [str(device)]
-    if device.type == "cpu":
-        return target, ["cpu"] * workers
+    if device.type == "cpu":  # each worker times on all cores: they would time each other
+        raise UsageError(f"--workers {workers} on the CPU: the workers would time their kernels "
+                         "on the same cores and each measurement would include the others' "
+                         "load; use one worker (--jobs sets the compile processes)")
     if device.type != "cuda":
-        raise UsageError(f"--workers {workers}: several workers need CUDA/ROCm GPUs or the CPU")
+        raise UsageError(f"--workers {workers}: several workers need CUDA/ROCm GPUs")
     first = device.index or 0
     if first + workers > torch.cuda.device_count():
         raise UsageError(f"--workers {workers} from cuda:{first}: only "
@@ -289,6 +336,11 @@ def _space(spec: OpSpec, target: Target, text: str | None) -> studies.Space:
                              f"{', '.join(space)}")
         if not isinstance(values, list) or not values:
             raise UsageError(f"--space: {name} must be a non-empty list")
+        kinds = {type(v) for v in space[name]}
+        odd = [v for v in values if type(v) not in kinds]
+        if odd:
+            raise UsageError(f"--space: {name} takes {' or '.join(sorted(k.__name__ for k in kinds))}"
+                             f" values, like {space[name]}; got {odd[0]!r}")
     return {**space, **override}
 
 
@@ -298,8 +350,10 @@ def _grid(space: studies.Space) -> list[dict[str, Any]]:
 
 
 def _check_writable(db: Path) -> None:
+    """Refuse, before any trial, a database the winners could not be written to."""
     try:
-        TuningDB(db).close()
+        with TuningDB(db) as tdb:
+            tdb.check_writable()
     except DatabaseError as e:
         raise UsageError(str(e)) from None
 
@@ -321,29 +375,104 @@ def _abandon_factor(text: str) -> float:
 def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
         value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
         return value
 
     parse.__name__ = kind.__name__
     return parse
 
 
+# ---- ops ----------------------------------------------------------------------------------------
+def ops_table() -> str:
+    """Every operator as its spec describes it: names, call, problem syntax, dtypes, targets."""
+    lines = []
+    for spec in SPECS.values():
+        names = " (also " + ", ".join(spec.aliases) + ")" if spec.aliases else ""
+        dtypes = "; ".join(f"{kind}: {', '.join(d)}" for kind, d in spec.dtypes.items())
+        lines += [f"{spec.name}{names}", f"  call     {spec.function}",
+                  f"  problem  {spec.problem_syntax}", f"  dtypes   {dtypes}",
+                  f"  targets  {', '.join(_kernel_targets(spec))}", ""]
+    return "\n".join(lines).rstrip()
+
+
+def _kernel_targets(spec: OpSpec) -> list[str]:
+    """The target kinds with a configuration space, and the archs the spec refuses among them."""
+    out = []
+    for kind in _kinds(spec):
+        refused = [key.partition(":")[2] for key in spec.unsupported
+                   if key.startswith(kind + ":")]
+        out.append(kind + (f" (not {', '.join(a + '*' for a in refused)})" if refused else ""))
+    return out
+
+
+def _kinds(spec: OpSpec) -> list[str]:
+    return [kind for kind in KINDS if spec.unsupported_reason(Target(kind, "", "", 0)) is None]
+
+
 # ---- entry points -------------------------------------------------------------------------------
-def tune_main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tileops-tune", description=(
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a hint where it reads a value that starts with '-' as an option, and
+    errors raised (not printed) for the Python entry point."""
+
+    raise_errors = False
+
+    def error(self, message: str) -> Any:
+        if "expected one argument" in message:
+            message += " (a value that starts with '-' must be attached with '=', e.g. " \
+                       "--shape=-1x64x64)"
+        if self.raise_errors:
+            raise UsageError(message)
+        return super().error(message)
+
+
+def tune_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="tileops-tune", description=(
         "Search each problem's configuration space with Optuna and record the winners."))
     add_tune_arguments(parser)
+    return parser
+
+
+def tune_main(argv: Sequence[str] | None = None) -> int:
+    parser = tune_parser()
     return _run(tune, parser.parse_args(argv), parser.prog)
 
 
 def tileops_main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tileops", description="tileops tuning and databases")
+    parser = _Parser(prog="tileops", description="tileops tuning and databases")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_tune_arguments(sub.add_parser("tune", help="tune operators (same as tileops-tune)"))
+    sub.add_parser("ops", help="list the operators: problem syntax, dtypes, targets")
     add_db_arguments(sub.add_parser("db", help="inspect, ship and check tuning databases"))
     args = parser.parse_args(argv)
-    return _run(tune if args.command == "tune" else db_command, args, parser.prog)
+    commands = {"tune": tune, "db": db_command, "ops": lambda _: print(ops_table()) or 0}
+    return _run(commands[args.command], args, parser.prog)
+
+
+def tune_python(op: str, shapes: str | Sequence[str], **options: Any) -> Outcome:
+    """`tileops-tune --op OP --shape S ...` from Python: options are the command's long options
+    with underscores (`trials=8`, `dtype="float16"`, `no_warm_start=True`); lists repeat an option.
+    Mistakes raise `UsageError` instead of exiting."""
+    argv = ["--op", op]
+    for shape in [shapes] if isinstance(shapes, str) else shapes:
+        argv.append(f"--shape={shape}")
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is not None and value is not False:
+            argv += [f"{flag}={v}" for v in (value if isinstance(value, list) else [value])]
+    parser = tune_parser()
+    parser.raise_errors = True
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        raise UsageError("tileops.tune runs a sweep; use tileops-tune --dry-run to list configs")
+    try:
+        outcome = run_tune(args)
+    finally:
+        dispatch.reset()  # this process's next calls read the new records
+    assert isinstance(outcome, Outcome)
+    return outcome
 
 
 def _run(command: Callable[[argparse.Namespace], int], args: argparse.Namespace,
@@ -367,11 +496,21 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+class _Stderr(logging.StreamHandler):
+    """Writes to sys.stderr as it is at each record (tests and embedding programs swap it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
+_HANDLER = _Stderr()
+_HANDLER.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+
+
 def _configure_logging(quiet: bool) -> None:
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
-        log.addHandler(handler)
+    if _HANDLER not in log.handlers:
+        log.addHandler(_HANDLER)
         log.propagate = False
     log.setLevel(logging.WARNING if quiet else logging.INFO)
     optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -52,11 +52,22 @@ def add_db_arguments(p: argparse.ArgumentParser) -> None:
     q = command("verify", "check schema, integrity, staleness and configurations")
     db_option(q)
     q.add_argument("--prune", action="store_true", help="delete the records with problems")
+    q = command("migrate", "upgrade a database of an older schema to this tileops' schema")
+    q.add_argument("path", type=Path, nargs="?", help="database (default: the user database)")
 
 
 def db_command(args: argparse.Namespace) -> int:
-    path = (getattr(args, "db", None) or default_user_db()).expanduser()
+    path = (getattr(args, "db", None) or getattr(args, "path", None)
+            or default_user_db()).expanduser()
     command = args.db_command
+    if command == "migrate":
+        with dbtools.open_db(path, write=True) as tdb:
+            if tdb.readonly:
+                raise UsageError(f"{path} is not writable; cannot migrate it")
+            was = tdb.migrated_from
+            print(f"{path}: schema version {tdb.schema_version()}"
+                  + (f" (migrated from {was})" if was is not None else ", already current"))
+        return 0
     if command == "merge":
         with dbtools.open_db(args.src) as src, _open_dst(args.into) as dst:
             report = dbtools.merge(src, dst)
@@ -104,7 +115,7 @@ def db_command(args: argparse.Namespace) -> int:
         return 0
     if not args.include_stale:
         chosen = [r for r in chosen if dbtools.freshness(r) is None]
-    n = dbtools.export(chosen, args.out, force=args.force)
+    n = dbtools.export(chosen, args.out.expanduser(), force=args.force, source=path)
     print(f"exported {n} record(s) from {path} to {args.out}")
     return 0
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import os
 import statistics
 from collections import defaultdict
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tileops.db.layers import stale_reason
+from tileops.db.layers import read_record, stale_reason
 from tileops.db.models import Record
 from tileops.db.storage import KEY_FIELDS, DatabaseError, TuningDB, record_dict
 from tileops.ops import SPECS
@@ -35,6 +36,8 @@ from .errors import UsageError
 
 def open_db(path: Path, *, write: bool = False) -> TuningDB:
     """An existing database (never created here): writable when asked and allowed."""
+    if path.is_dir():
+        raise UsageError(f"tuning database {path} is a directory, not a file")
     if not path.is_file():
         raise UsageError(f"tuning database {path} does not exist")
     try:
@@ -65,24 +68,38 @@ def summary(records: Iterable[Record]) -> list[dict[str, Any]]:
             "units": max(r.units for r in rs), "records": len(rs),
             "tile_chosen": sum(r.chosen == "tile" for r in rs),
             "stale": sum(freshness(r) is not None for r in rs),
-            "median_speedup": _median([r.baseline_us / r.latency_us for r in timed]),
-            "median_tile_speedup": _median([r.baseline_us / r.tile_us for r in timed]),
+            "median_speedup": _median([speedup(r.baseline_us, r.latency_us) for r in timed]),
+            "median_tile_speedup": _median([speedup(r.baseline_us, r.tile_us) for r in timed]),
         })
     return rows
 
 
 def show_rows(records: Iterable[Record]) -> list[dict[str, Any]]:
+    """Records as plain values; a problem or config that is not JSON is shown as its text."""
     rows = []
     for r in records:
         d = record_dict(r)
         d["id"] = r.id
-        d["problem"] = json.loads(r.problem)
-        d["config"] = json.loads(r.config)
+        d["problem"] = _json_or_text(r.problem)
+        d["config"] = _json_or_text(r.config)
         d["created_at"] = r.created_at.isoformat() if r.created_at else None
-        d["speedup"] = r.baseline_us / r.latency_us if r.baseline_us else None
+        d["speedup"] = speedup(r.baseline_us, r.latency_us)
         d["stale"] = freshness(r)
         rows.append(d)
     return rows
+
+
+def speedup(baseline_us: Any, us: Any) -> float | None:
+    """baseline / latency, or None where either is not a positive number (a damaged record)."""
+    ok = all(isinstance(x, int | float) and math.isfinite(x) and x > 0 for x in (baseline_us, us))
+    return baseline_us / us if ok else None
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError):
+        return text
 
 
 def select(records: Iterable[Record], ops: list[str] | None = None,
@@ -97,19 +114,33 @@ def select(records: Iterable[Record], ops: list[str] | None = None,
 
 
 # ---- export / merge -----------------------------------------------------------------------------
-def export(records: list[Record], out: Path, force: bool = False) -> int:
-    """Write records into a new standalone database file, compacted (VACUUM) for shipping."""
+def export(records: list[Record], out: Path, force: bool = False,
+           source: Path | None = None) -> int:
+    """Write records into a new standalone database file, compacted (VACUUM) for shipping.
+
+    The file is written beside OUT under a temporary name and renamed over it once complete, so
+    a failure leaves OUT as it was; OUT may not be the `source` the records were read from."""
+    if out.is_dir():
+        raise UsageError(f"{out} is a directory; export writes a database file")
     if out.exists():
+        if source is not None and source.exists() and os.path.samefile(out, source):
+            raise UsageError(f"{out} is the database the records are read from; export into "
+                             "another file")
         if not force:
             raise UsageError(f"{out} exists; pass --force to replace it")
-        out.unlink()
+    partial = out.with_name(f".{out.name}.{os.getpid()}.partial")
     try:
-        with TuningDB(out) as db:
+        with TuningDB(partial) as db:
             db.put_many(record_dict(r) for r in records)
             with db.engine.connect() as conn:
                 conn.exec_driver_sql("VACUUM")
+        os.replace(partial, out)
     except DatabaseError as e:
         raise UsageError(str(e)) from None
+    except OSError as e:
+        raise UsageError(f"cannot write {out}: {e.strerror}") from None
+    finally:
+        partial.unlink(missing_ok=True)
     return len(records)
 
 
@@ -178,27 +209,23 @@ def record_issues(r: Record) -> list[str]:
     reason = stale_reason(spec, r)
     if reason:
         out.append(f"{label}: stale ({reason})")
-    try:
-        problem = spec.problem_from_dict(json.loads(r.problem))
-        config = json.loads(r.config)
-    except (KeyError, TypeError, ValueError) as e:
-        return [*out, f"{label}: unreadable problem or config ({e})"]
-    if r.chosen not in ("tile", "baseline"):
-        out.append(f"{label}: chosen is {r.chosen!r}, expected 'tile' or 'baseline'")
-    if not (r.tile_us > 0):
+    if speedup(1.0, r.tile_us) is None:
         out.append(f"{label}: tile_us {r.tile_us} is not a positive latency")
+    if r.baseline_us is not None and speedup(r.baseline_us, 1.0) is None:
+        out.append(f"{label}: baseline_us {r.baseline_us} is not a positive latency")
     if r.target_kind not in KINDS:
         return [*out, f"{label}: unknown target kind {r.target_kind!r}"]
     target = Target(r.target_kind, r.arch, r.device, r.units)
-    expected = set(spec.default_config(problem, target))
-    if set(config) != expected:
-        out.append(f"{label}: config keys {sorted(config)} differ from {sorted(expected)}")
-    else:
-        refused = spec.check_config(problem, config, target)
-        if refused:
-            out.append(f"{label}: config {r.config} refused by check_config ({refused})")
+    reason = spec.unsupported_reason(target)
+    if reason:
+        return [*out, f"{label}: {reason}"]
+    try:
+        read_record(spec, r, target)  # what dispatch checks before it uses a record
+    except ValueError as e:
+        out.append(f"{label}: {e}")
     return out
 
 
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None

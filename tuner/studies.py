@@ -37,7 +37,7 @@ from typing import Any
 import optuna
 from optuna.samplers import BaseSampler, GridSampler, RandomSampler, TPESampler
 from optuna.storages import BaseStorage, JournalStorage, RDBStorage
-from optuna.storages.journal import JournalFileBackend
+from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
 from optuna.trial import FrozenTrial, Trial, TrialState
 
 from tileops.db.storage import canonical
@@ -77,9 +77,74 @@ def open_storage(url: str) -> BaseStorage:
             return RDBStorage(url, engine_kwargs=kwargs)
         path = Path(url.removeprefix("journal:")).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)
-        return JournalStorage(JournalFileBackend(str(path)))
+        backend = JournalFileBackend(str(path))
+        repair_journal(path)
+        return JournalStorage(backend)
     except (OSError, ValueError, ImportError, optuna.exceptions.StorageInternalError) as e:
         raise UsageError(f"cannot open the Optuna storage {url!r}: {e}") from None
+
+
+def repair_journal(path: Path) -> None:
+    """Set aside the damaged records of an Optuna journal file, so that it opens again.
+
+    A crash or a full disk can leave the last record torn (no end of line); Optuna appends the
+    next record to it, and that line, which no longer parses, stops every later read. Each
+    damaged line is moved to `<journal>.torn`; a record appended to a torn one is kept. This runs
+    under the journal's own lock (Optuna's default for file journals), so no other process is
+    midway through an append.
+    """
+    lock = JournalFileSymlinkLock(str(path))
+    lock.acquire()
+    try:
+        torn, kept = _set_aside_damaged(path)
+    finally:
+        lock.release()
+    if not torn:
+        return
+    log.warning("%s: set aside %d damaged record(s) (%d bytes, e.g. a torn last line left by a "
+                "crash) in %s.torn; the other %d record(s) are kept", path, len(torn),
+                sum(map(len, torn)), path.name, len(kept))
+
+
+_RECORD_START = b'{"op_code":'  # how Optuna writes each journal record
+
+
+def _set_aside_damaged(path: Path) -> tuple[list[bytes], list[bytes]]:
+    """Move a journal's damaged lines to `<journal>.torn`; (damaged lines, kept lines)."""
+    data = path.read_bytes()
+    lines = data.splitlines(keepends=True)
+    kept, torn = [], []
+    for line in lines:
+        whole = line.endswith(b"\n")
+        if whole and _parses(line):
+            kept.append(line)
+            continue
+        start = line.rfind(_RECORD_START)  # an append after a torn record: keep that one
+        if whole and start > 0 and _parses(line[start:]):
+            torn.append(line[:start] + b"\n")
+            kept.append(line[start:])
+        else:
+            torn.append(line if whole else line + b"\n")
+    if not torn:
+        return torn, kept
+    with open(path.with_name(path.name + ".torn"), "ab") as f:
+        f.writelines(torn)
+    if lines[:-1] == kept:  # only the last line was torn: cut it off in place
+        with open(path, "r+b") as f:
+            f.truncate(len(data) - len(lines[-1]))
+    else:
+        partial = path.with_name(path.name + ".repaired")
+        partial.write_bytes(b"".join(kept))
+        os.replace(partial, path)
+    return torn, kept
+
+
+def _parses(line: bytes) -> bool:
+    try:
+        json.loads(line)
+    except ValueError:
+        return False
+    return True
 
 
 def space_hash(space: Space) -> str:

@@ -67,7 +67,7 @@ def load(name: str, dtypes: list[str] | None = None) -> Suite:
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
-    except (OSError, tomllib.TOMLDecodeError) as e:
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise UsageError(f"cannot read suite {path}: {e}") from None
     if "op" not in data:
         raise UsageError(f"suite {path}: no 'op' (the operator it is for)")
@@ -120,7 +120,10 @@ def _table_problems(spec: OpSpec, table: dict[str, Any], path: Path,
     for values in itertools.product(*lists):
         fields_of = dict(zip(fields, values, strict=True))
         if only is None or fields_of.get("dtype", only[0] if only else None) in only:
-            yield spec.problem_from_dict(fields_of)
+            try:
+                yield spec.problem_from_dict(fields_of)
+            except ValueError as e:
+                raise UsageError(f"suite {path}: {e}") from None
 
 
 def read_problems_file(spec: OpSpec, path: str, dtypes: list[str]) -> list[tuple]:
@@ -129,6 +132,8 @@ def read_problems_file(spec: OpSpec, path: str, dtypes: list[str]) -> list[tuple
         lines = Path(path).read_text().splitlines()
     except OSError as e:
         raise UsageError(f"cannot read problems file {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"problems file {path} is not text (UTF-8)") from None
     problems = []
     for n, line in enumerate(lines, 1):
         words = line.split("#", 1)[0].split()

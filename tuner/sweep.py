@@ -9,7 +9,6 @@ figures.
 
 from __future__ import annotations
 
-import json
 import logging
 import multiprocessing as mp
 import os
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import optuna
 
+from tileops.db.layers import read_record
 from tileops.db.storage import DatabaseError, TuningDB
 from tileops.spec import Config, OpSpec
 from tileops.target import Target
@@ -168,10 +168,13 @@ def warm_start_configs(plan: Plan, problem: tuple) -> list[tuple[Config, str]]:
         return configs
     near = []
     for r in records:
-        other = spec.problem_from_dict(json.loads(r.problem))
+        try:
+            other, config = read_record(spec, r, target)
+        except ValueError:
+            continue  # an unusable record seeds nothing (`tileops db verify` lists it)
         d = spec.distance(problem, other)
         if d is not None:
-            near.append((d, r.problem, json.loads(r.config), spec.problem_label(other)))
+            near.append((d, r.problem, config, spec.problem_label(other)))
     near.sort(key=lambda x: (x[0], x[1]))
     configs += [(c, f"db: {label}") for _, _, c, label in near[:WARM_START_NEIGHBOURS]]
     return configs

@@ -12,7 +12,15 @@ Within the databases an exact problem match in any layer wins over the nearest t
 the same operator and target (kind, arch, device). A database that is missing, locked, corrupt or
 of a newer schema is skipped with one warning, never an exception. Records made with another
 TileLang version or another version of the kernel code (`OpSpec.kernel_hash`) are stale:
-skipped, with one warning per database and operator (`tileops db verify` lists them).
+skipped, with one warning per database and operator (`tileops db verify` lists them). So are
+records that do not read back as a problem and a configuration this installation can build
+(`read_record`): every value taken from a database is validated before use.
+
+`TILEOPS_CONFIG` is validated like a record, and more strictly (`OpSpec.config_error` with
+`within_space`): exactly the space's parameters, integers from 1 (0 where the space has 0) up to
+the largest value of the target's space (values between its points are allowed, for debugging),
+other values among the space's, and `check_config`; anything else raises a ValueError at the
+first call.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..resources import data_dir
 from ..spec import Config, OpSpec
@@ -101,26 +109,31 @@ class Resolver:
     def resolve(self, spec: OpSpec, target: Target, problem: tuple) -> Choice:
         forced = _override(spec)
         if forced is not None:
+            reason = spec.config_error(problem, forced, target, within_space=True)
+            if reason:
+                raise ValueError(f"TILEOPS_CONFIG for {spec.name} ({spec.problem_label(problem)}"
+                                 f" on {target.describe()}): {reason}")
             return Choice(forced, "override", exact=True)
         tables = [(layer, self._table(layer, spec, target)) for layer in self.layers()]
         for layer, table in tables:
-            record = table.get(problem)
-            if record is not None:
-                return _choice(record, layer.label, exact=True)
-        best: tuple[float, str, Record] | None = None
+            entry = table.get(problem)
+            if entry is not None:
+                return _choice(entry, layer.label, exact=True)
+        best: tuple[float, str, _Entry] | None = None
         for layer, table in tables:
-            for other, record in table.items():
+            for other, entry in table.items():
                 d = spec.distance(problem, other)
                 if d is not None and d <= spec.nearest_within and (best is None or d < best[0]):
-                    best = (d, layer.label, record)
+                    best = (d, layer.label, entry)
         if best is not None:
-            config = json.loads(best[2].config)
+            _, label, (record, config) = best
             if spec.check_config(problem, config, target) is None:
-                return Choice(config, best[1], exact=False, record=best[2])
+                return Choice(config, label, exact=False, record=record)
         return Choice(spec.default_config(problem, target), "default", exact=False)
 
-    def _table(self, layer: _Layer, spec: OpSpec, target: Target) -> dict[tuple, Record]:
-        """The trusted records of one layer for an operator and target, keyed by problem."""
+    def _table(self, layer: _Layer, spec: OpSpec, target: Target) -> dict[tuple, _Entry]:
+        """The trusted, readable records of one layer for an operator and target, with their
+        configurations, keyed by problem."""
         key = (layer.label, spec.name, target.key)
         table = self._tables.get(key)
         if table is not None:
@@ -133,21 +146,25 @@ class Resolver:
             except DatabaseError as e:
                 _warn(f"{e}; falling back to the next layer")
                 layer.failed, records = True, []
-            stale = []
+            stale, unusable = [], []
             for record in records:
                 reason = stale_reason(spec, record)
                 if reason:
                     stale.append(reason)
                     continue
                 try:
-                    problem = spec.problem_from_dict(json.loads(record.problem))
-                except (KeyError, TypeError, ValueError):
-                    stale.append("unreadable problem key")
+                    problem, config = read_record(spec, record, target)
+                except ValueError as e:
+                    unusable.append(f"record {record.id}: {e}")
                     continue
-                table[problem] = record
+                table[problem] = _Entry(record, config)
             if stale:
                 _warn(f"{layer.path}: ignoring {len(stale)} stale {spec.name} record(s) for "
                       f"{target.describe()} ({stale[0]}); re-tune or run `tileops db verify`")
+            if unusable:
+                _warn(f"{layer.path}: skipping {len(unusable)} unusable {spec.name} record(s) "
+                      f"for {target.describe()} ({unusable[0]}); run `tileops db verify --db "
+                      f"{layer.path}`")
         self._tables[key] = table
         return table
 
@@ -170,11 +187,40 @@ class Resolver:
         self._layers, self._tables = None, {}
 
 
-def _choice(record: Record, label: str, exact: bool) -> Choice:
-    return Choice(json.loads(record.config), label, exact, record.chosen == "baseline", record)
+class _Entry(NamedTuple):
+    record: Record
+    config: Config  # its configuration, read and validated
 
 
-def _override(spec: OpSpec) -> Config | None:
+CHOSEN = ("tile", "baseline")
+
+
+def read_record(spec: OpSpec, record: Record, target: Target) -> tuple[tuple, Config]:
+    """A record's problem and configuration, validated for the target (`OpSpec.config_error`):
+    a ValueError says why the record cannot be used."""
+    try:
+        problem = spec.problem_from_dict(json.loads(record.problem))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"unreadable problem {record.problem!r} ({e})") from None
+    try:
+        config = json.loads(record.config)
+    except (TypeError, ValueError):
+        raise ValueError(f"config {record.config!r} is not JSON") from None
+    if record.chosen not in CHOSEN:
+        raise ValueError(f"chosen is {record.chosen!r}, expected one of {CHOSEN}")
+    reason = spec.config_error(problem, config, target)
+    if reason:
+        raise ValueError(f"config {record.config}: {reason}")
+    return problem, config
+
+
+def _choice(entry: _Entry, label: str, exact: bool) -> Choice:
+    record, config = entry
+    return Choice(config, label, exact, record.chosen == "baseline", record)
+
+
+def _override(spec: OpSpec) -> Any:
+    """`TILEOPS_CONFIG`'s configuration for this operator (None: none), not yet validated."""
     text = os.environ.get("TILEOPS_CONFIG")
     if not text:
         return None
@@ -184,9 +230,20 @@ def _override(spec: OpSpec) -> Config | None:
         raise ValueError(f"TILEOPS_CONFIG is not valid JSON: {e}") from None
     if not isinstance(value, dict):
         raise ValueError("TILEOPS_CONFIG must be a JSON object (a config, or {op: config})")
-    if spec.name in value and isinstance(value[spec.name], dict):
-        return dict(value[spec.name])
-    return dict(value) if not any(isinstance(v, dict) for v in value.values()) else None
+    if not any(isinstance(v, dict) for v in value.values()):
+        return value  # one configuration for every operator
+    from ..ops import get_spec  # the catalog imports dispatch, which imports this module
+
+    by_op = {}
+    for name, config in value.items():
+        if not isinstance(config, dict):
+            raise ValueError(f"TILEOPS_CONFIG: {name!r} must map to a configuration object, got "
+                             f"{config!r} (either {{op: config, ...}} or one bare config)")
+        try:
+            by_op[get_spec(name).name] = config
+        except ValueError as e:
+            raise ValueError(f"TILEOPS_CONFIG: {e}") from None
+    return by_op.get(spec.name)
 
 
 def _warn(message: str) -> None:

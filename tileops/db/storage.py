@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import sqlite3
 from collections.abc import Iterable
 from pathlib import Path
@@ -41,6 +42,9 @@ class TuningDB:
     def __init__(self, path: str | Path, *, readonly: bool = False, timeout: float = 30.0):
         self.path = Path(path).expanduser()
         self.readonly = readonly
+        self.migrated_from: int | None = None  # the schema version this open migrated from
+        if self.path.is_dir():
+            raise DatabaseError(f"tuning database {self.path} is a directory, not a file")
         if readonly and not self.path.is_file():
             raise DatabaseError(f"tuning database {self.path} does not exist")
         if not readonly:
@@ -87,21 +91,47 @@ class TuningDB:
             raise DatabaseError(f"{self.path} has schema version {version}, newer than this tileops "
                                 f"understands ({SCHEMA_VERSION}); upgrade tileops")
         if version < SCHEMA_VERSION:
+            missing = [v for v in range(version, SCHEMA_VERSION) if v not in MIGRATIONS]
+            if missing:
+                raise DatabaseError(f"{self.path} has schema version {version}, which this "
+                                    f"tileops cannot migrate (no migration from version "
+                                    f"{missing[0]}; it reads version {SCHEMA_VERSION})")
             if self.readonly:
-                raise DatabaseError(f"{self.path} has old schema version {version}; open it "
-                                    "writable once (e.g. `tileops db verify --db PATH`) to migrate")
+                raise DatabaseError(f"{self.path} has old schema version {version}; migrate it "
+                                    f"with `tileops db migrate {self.path}`")
             with self.engine.begin() as conn:
                 for v in range(version, SCHEMA_VERSION):
                     MIGRATIONS[v](conn)
             with Session(self.engine) as s, s.begin():
                 s.merge(Meta(key="schema_version", value=str(SCHEMA_VERSION)))
+            self.migrated_from = version
 
     def schema_version(self) -> int:
         with Session(self.engine) as s:
             value = s.get(Meta, "schema_version")
         if value is None:
             raise DatabaseError(f"{self.path} has no schema version")
-        return int(value.value)
+        try:
+            return int(value.value)
+        except (TypeError, ValueError):
+            raise DatabaseError(f"{self.path} has an unreadable schema version "
+                                f"{value.value!r}") from None
+
+    def check_writable(self) -> None:
+        """Raise a DatabaseError unless a write would succeed now: the file and its directory
+        (SQLite writes its journal beside the file) writable, the database not locked. The
+        probe rewrites the schema version row, in a transaction of its own."""
+        if self.readonly:
+            raise DatabaseError(f"{self.path} is opened read-only")
+        for path, what in ((self.path, "file"), (self.path.parent, "directory")):
+            if not os.access(path, os.W_OK):
+                raise DatabaseError(f"cannot write {self.path}: its {what} {path} is read-only")
+        try:
+            with self.engine.begin() as conn:
+                conn.exec_driver_sql("UPDATE tileops_meta SET value = value "
+                                     "WHERE key = 'schema_version'")
+        except SQLAlchemyError as e:
+            raise DatabaseError(f"cannot write {self.path}: {_reason(e)}") from None
 
     # ---- reading --------------------------------------------------------------------------------
     def records(self, op: str | None = None, target_key: tuple[str, str, str] | None = None
@@ -118,7 +148,8 @@ class TuningDB:
             with Session(self.engine, expire_on_commit=False) as s:
                 rows = list(s.scalars(query))
                 s.expunge_all()
-        except SQLAlchemyError as e:
+        except (SQLAlchemyError, ValueError, TypeError) as e:  # the latter: a column's value
+            # SQLAlchemy cannot convert (e.g. a created_at that is no date)
             raise DatabaseError(f"cannot read {self.path}: {_reason(e)}") from None
         return rows
 

@@ -12,7 +12,11 @@ SPECS: dict[str, OpSpec] = {spec.name: spec for spec in (GEMM, MXFP4_GEMM, ATTEN
 
 
 def get_spec(name: str) -> OpSpec:
-    try:
-        return SPECS[name]
-    except KeyError:
-        raise ValueError(f"unknown operator {name!r}; available: {', '.join(SPECS)}") from None
+    """An operator's spec by its name or one of its aliases (`OpSpec.aliases`)."""
+    spec = SPECS.get(name) if isinstance(name, str) else None
+    if spec is None:
+        spec = next((s for s in SPECS.values() if name in s.aliases), None)
+    if spec is None:
+        names = [n for s in SPECS.values() for n in (s.name, *s.aliases)]
+        raise ValueError(f"unknown operator {name!r}; available: {', '.join(names)}")
+    return spec

@@ -4,7 +4,8 @@ Layout: Q and O (batch, seqlen_q, heads_q, head_dim), K and V (batch, seqlen_kv,
 head_dim), LSE (batch, heads_q, seqlen_q) fp32. Query head h reads KV head h // (heads_q //
 heads_kv) (GQA/MQA). batch, seqlen_q and seqlen_kv are dynamic dimensions: one compiled kernel
 serves every size. The causal mask is aligned to the bottom-right corner (query i sees keys
-j <= i + seqlen_kv - seqlen_q); a query that sees no key gets O = 0 and LSE = -inf.
+j <= i + seqlen_kv - seqlen_q); a query that sees no key gets O = 0 and LSE = -inf, and a NaN
+among the inputs a query reads gives NaN.
 
 Each program instance owns block_M queries of one head and streams KV in blocks of block_N with
 the FlashAttention-2 online softmax: a running row max m and row sum l in fp32, the accumulator
@@ -169,14 +170,16 @@ def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
                 T.gemm(P, V_s, acc, policy=T.GemmWarpPolicy.FullRow)
                 if pingpong:
                     T.named_barrier_arrive(other, 256)
+            # l = 0: the query saw no key (zeros, LSE -inf). A NaN l (a NaN input) must give
+            # NaN, so the test is l == 0, not l > 0.
             for i, j in T.Parallel(block_M, head_dim):
-                acc[i, j] = T.if_then_else(l[i] > 0, acc[i, j] / l[i], 0)
+                acc[i, j] = T.if_then_else(l[i] == 0, 0, acc[i, j] / l[i])
             T.copy(acc, O_s)
             T.copy(O_s, O[b, q0:q0 + block_M, head, :])
             for i in T.Parallel(block_M):
                 if q0 + i < seqlen_q:
                     LSE[b, head, q0 + i] = T.if_then_else(
-                        l[i] > 0, (m[i] * scale + T.log2(l[i])) * LN2, neg_inf)
+                        l[i] == 0, neg_inf, (m[i] * scale + T.log2(l[i])) * LN2)
 
     return flash_attention
 
@@ -249,14 +252,15 @@ def cpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
                     acc[i, d] *= alpha[i]
                 for i, j, d in TC.grid(block_M, block_N, D):
                     acc[i, d] += s[i, j] * v[j, d]
-            # Element by element: the C backend's vectorised fp16 cast is broken.
+            # Element by element: the C backend's vectorised fp16 cast is broken. l == 0, not
+            # l > 0, as in the GPU program: a NaN input gives NaN, not a row of zeros.
             for i, d in TC.grid(block_M, D):
                 if q0 + i < seqlen_q:
                     O[b, q0 + i, head, d] = from_f32(
-                        TC.if_then_else(l[i] > 0, acc[i, d] / l[i], 0.0), dtype)
+                        TC.if_then_else(l[i] == 0, 0.0, acc[i, d] / l[i]), dtype)
             for i in TC.serial(block_M):
                 if q0 + i < seqlen_q:
                     LSE[b, head, q0 + i] = TC.if_then_else(
-                        l[i] > 0, (m[i] + TC.log2(l[i])) * LN2, neg_inf)
+                        l[i] == 0, neg_inf, (m[i] + TC.log2(l[i])) * LN2)
 
     return flash_attention

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ...spec import Call, Config, OpSpec, pow2_bucket
+from ...spec import Call, Config, OpSpec, check_scale, pow2_bucket, refuse_grad
 from ...target import Target
 from ..host import DTYPE_NAMES, DTYPE_SIZES, DTYPES, BitsAdapter, dtype_name, smem_limit
 from . import kernels
@@ -77,6 +77,12 @@ class RepeatedKV:
 
 class AttentionSpec(OpSpec):
     name = "attention"
+    aliases = ("flash_attention",)
+    function = ("tileops.flash_attention(q, k, v, *, causal=False, softmax_scale=None, "
+                "return_lse=False)")
+    problem_syntax = ("BxSQxSKVxHQxHKVxD[:causal] or BxSxHxD[:causal], e.g. "
+                      "8x4096x4096x32x8x128:causal")
+    dtypes = SUPPORTED
     Problem = AttentionProblem
     bucketed = ("seqlen_q", "seqlen_kv")
     categorical = ("heads_q", "heads_kv", "head_dim", "causal", "dtype")
@@ -96,7 +102,9 @@ class AttentionSpec(OpSpec):
             ok = (k.shape == v.shape and Bk == B and Dk == D and D in HEAD_DIMS and B and Sq
                   and Skv and Hkv and Hq % Hkv == 0 and dtype is k.dtype and dtype is v.dtype
                   and (dtype, q.is_cuda) in _ACCEPTED and q.device == k.device == v.device
-                  and q.stride(3) == 1 and k.stride(3) == 1 and v.stride(3) == 1)
+                  and q.stride(3) == 1 and k.stride(3) == 1 and v.stride(3) == 1
+                  and not ((q.requires_grad or k.requires_grad or v.requires_grad)
+                           and torch.is_grad_enabled()))
         except (AttributeError, TypeError, ValueError):
             ok = False
         if not ok:
@@ -105,7 +113,7 @@ class AttentionSpec(OpSpec):
         q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))
         if softmax_scale is not None and softmax_scale != D ** -0.5:
             # The kernels bake in 1/sqrt(head_dim); another scale is folded into q.
-            q = q * (softmax_scale * D ** 0.5)
+            q = q * (check_scale(softmax_scale, "flash_attention") * D ** 0.5)
         problem = AttentionProblem(B, 1 << (Sq - 1).bit_length(), 1 << (Skv - 1).bit_length(),
                                    Hq, Hkv, D, bool(causal), DTYPE_NAMES[dtype])
         return Call(q.device, problem, (q, k, v, bool(causal), RepeatedKV()))
@@ -148,6 +156,7 @@ class AttentionSpec(OpSpec):
         if Hq % Hkv:
             raise ValueError(f"flash_attention: heads_q ({Hq}) must be a multiple of heads_kv "
                              f"({Hkv})")
+        refuse_grad("flash_attention", q=q, k=k, v=v)
         raise ValueError("flash_attention: the last dimension (head_dim) of q, k and v must be "
                          "contiguous (stride 1); strides are "
                          f"{q.stride()}, {k.stride()}, {v.stride()}")
@@ -266,8 +275,8 @@ class AttentionSpec(OpSpec):
                 out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, **kwargs)
         else:
             out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, **kwargs)
-        if lower_right and Sq > Skv:  # SDPA gives NaN rows where we give zeros
-            out = out.nan_to_num(0.0)
+        if lower_right and Sq > Skv:  # SDPA gives NaN rows where we give zeros: queries
+            out[:, :, :Sq - Skv] = 0  # i < Sq - Skv see no key
         # A second pass for the lse (fp32, chunked): this path's time includes it.
         _, lse = _attention(q, k, v, causal, q.shape[3] ** -0.5, torch.float32, need_out=False)
         return out.transpose(1, 2), lse
@@ -372,8 +381,9 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
                     s.masked_fill_(hidden[i:i + rows], float("-inf"))
                 chunk_lse = torch.logsumexp(s, dim=-1)
                 lse[b, heads, i:i + rows] = chunk_lse
-                if need_out:
-                    p = torch.exp(s - chunk_lse[..., None]).nan_to_num_(0.0)
+                if need_out:  # a row that sees no key (lse -inf) gets zeros; NaN stays NaN
+                    p = torch.exp(s - chunk_lse[..., None]).masked_fill_(
+                        chunk_lse[..., None] == float("-inf"), 0.0)
                     out[b, i:i + rows, heads] = (p @ vd).transpose(0, 1)
     return out, lse
 

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ...spec import Call, Config, OpSpec, pow2_bucket
+from ...spec import Call, Config, OpSpec, pow2_bucket, refuse_grad
 from ...target import Target
 from ..host import DTYPE_NAMES as _NAMES
 from ..host import DTYPE_SIZES as _SIZES
@@ -37,6 +37,9 @@ class GemmProblem(NamedTuple):
 
 class GemmSpec(OpSpec):
     name = "gemm"
+    function = "tileops.gemm(a, b, *, out_dtype=None)"
+    problem_syntax = "MxNxK[:kn|:nk], e.g. 4096x4096x4096 (B is (K, N) with :kn, w.t() with :nk)"
+    dtypes = SUPPORTED
     Problem = GemmProblem
     bucketed = ("M",)
     categorical = ("dtype", "layout", "out_dtype")
@@ -53,7 +56,8 @@ class GemmSpec(OpSpec):
             dtype = a.dtype
             ok = (dtype is b.dtype and K == K2 and M and N and K
                   and (dtype, a.is_cuda) in _ACCEPTED and a.device == b.device
-                  and (out_dtype is None or out_dtype in _NAMES))
+                  and (out_dtype is None or out_dtype in _NAMES)
+                  and not ((a.requires_grad or b.requires_grad) and torch.is_grad_enabled()))
         except (AttributeError, TypeError, ValueError):
             ok = False
         if not ok:
@@ -95,8 +99,12 @@ class GemmSpec(OpSpec):
             raise ValueError(f"gemm: inner dimensions differ: a is {M}x{K}, b is {K2}x{N}")
         if M == 0 or N == 0 or K == 0:
             raise ValueError(f"gemm: empty operand (M={M}, N={N}, K={K}); all sizes must be >= 1")
-        raise TypeError(f"gemm: out_dtype {out_dtype} is not supported "
-                        f"(allowed: {', '.join(DTYPES)})")
+        refuse_grad("gemm", a=a, b=b)
+        allowed = ", ".join(f"torch.{name}" for name in DTYPES)
+        if not isinstance(out_dtype, torch.dtype):
+            raise TypeError(f"gemm: out_dtype must be a torch.dtype ({allowed}) or None; got "
+                            f"{type(out_dtype).__name__} {out_dtype!r}")
+        raise TypeError(f"gemm: out_dtype {out_dtype} is not supported (allowed: {allowed})")
 
     def parse_problem(self, text: str, dtype: str) -> GemmProblem:
         match = re.fullmatch(r"\s*(\d+)x(\d+)x(\d+)(?::(kn|nk))?\s*", text)

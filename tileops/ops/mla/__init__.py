@@ -43,6 +43,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     `validate=True` checks the lengths and every table entry a sequence uses against the cache
     (one reduction over the table, read back with the longest length the problem key needs
     anyway), so a bad table raises a ValueError instead of reading outside the cache.
+    With `validate=False` a sequence may be shorter than s_q (even empty): a query row that sees
+    no key gets zeros and a log-sum-exp of -inf, as in `flash_attention`; NaN inputs give NaN.
     """
     if torch.compiler.is_compiling():
         return _op(q, kv_cache, block_table, cache_seqlens, softmax_scale, head_dim_v, validate)

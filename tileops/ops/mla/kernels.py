@@ -8,7 +8,9 @@ pages. Scores are Q.K^T over 576 channels, computed as the latent part (512) plu
 The batch, the number of cache pages and the block table's width are dynamic; sequence lengths are
 read from `cache_seqlens` at run time. Each sequence's key blocks are divided among `num_splits`
 CTAs; with more than one split every CTA writes an fp32 partial output and its log2-sum-exp, and a
-second small kernel combines them. Token t of s_q sees keys j < seqlen - (s_q - 1 - t).
+second small kernel combines them. Token t of s_q sees keys j < seqlen - (s_q - 1 - t); a row that
+sees no key (only unvalidated calls can ask for one) gets zeros and a log-sum-exp of -inf, as in
+flash_attention, and a NaN input gives NaN.
 
 Only a sequence's last key block can hold rows past its length or causally masked keys: the GPU
 program masks its scores and zeroes its value rows past the length in shared memory (a cache page
@@ -113,16 +115,18 @@ def gpu_program(h_q: int, s_q: int, dtype: str, *, block_H: int, block_N: int, n
             l = T.alloc_fragment((block_H,), ACCUM)
             attend(Q, KV, block_table, cache_seqlens, scale, bx, by, bz, acc_o, msc, l)
             r0 = by * block_H
-            if num_splits == 1:  # every row saw at least one key: l > 0
+            # l = 0: the row saw no key (a zero-length sequence, unvalidated): zeros and a
+            # log-sum-exp of -inf, as flash_attention gives. l == 0, not l > 0: NaN stays NaN.
+            if num_splits == 1:
                 for i, j in T.Parallel(block_H, D_LATENT):
-                    acc_o[i, j] /= l[i]
+                    acc_o[i, j] = T.if_then_else(l[i] == 0, 0, acc_o[i, j] / l[i])
                 T.copy(acc_o, Out[bx, r0:r0 + block_H, :])
                 for i in T.Parallel(block_H):
                     if r0 + i < rows:
                         LSE[bx, (r0 + i) % h_q, (r0 + i) // h_q] = (T.log2(l[i]) + msc[i]) * LN2
             else:  # an empty split writes a zero partial with log2-sum-exp -inf
                 for i, j in T.Parallel(block_H, D_LATENT):
-                    acc_o[i, j] = T.if_then_else(l[i] > 0, acc_o[i, j] / l[i], 0)
+                    acc_o[i, j] = T.if_then_else(l[i] == 0, 0, acc_o[i, j] / l[i])
                 T.copy(acc_o, O_part[bx, r0:r0 + block_H, bz, :])
                 for i in T.Parallel(block_H):
                     if r0 + i < rows:
@@ -136,14 +140,16 @@ def gpu_program(h_q: int, s_q: int, dtype: str, *, block_H: int, block_N: int, n
                 top[0] = neg_inf
                 for s in T.serial(num_splits):
                     top[0] = T.max(top[0], L_part[bx, by, s])
+                top[0] = softmax_offset(top[0])  # every split empty: 0, not -inf - -inf
                 total[0] = 0
                 for s in T.serial(num_splits):
                     total[0] += T.exp2(L_part[bx, by, s] - top[0])
-                lse[0] = T.log2(total[0]) + top[0]
+                lse[0] = T.log2(total[0]) + top[0]  # -inf when every split was empty
                 T.clear(o)
                 for s in T.serial(num_splits):
                     for j in T.Parallel(D_LATENT):
-                        o[j] += T.exp2(L_part[bx, by, s] - lse[0]) * O_part[bx, by, s, j]
+                        o[j] += T.if_then_else(total[0] == 0, 0, T.exp2(
+                            L_part[bx, by, s] - lse[0]) * O_part[bx, by, s, j])
                 T.copy(o, Out[bx, by, :])
                 LSE[bx, by % h_q, by // h_q] = lse[0] * LN2
 
@@ -222,23 +228,25 @@ def cpu_program(h_q: int, s_q: int, dtype: str, *, block_H: int, block_N: int, n
             for i in TC.serial(block_H):
                 if r0 + i < rows:
                     L_part[bx, r0 + i, bz] = TC.log2(l[i]) + msc[i]
-                    for c in TC.serial(D_LATENT):
-                        O_part[bx, r0 + i, bz, c] = TC.if_then_else(l[i] > 0, acc[i, c] / l[i],
-                                                                    0.0)
+                    for c in TC.serial(D_LATENT):  # l == 0: no key; NaN stays NaN
+                        O_part[bx, r0 + i, bz, c] = TC.if_then_else(l[i] == 0, 0.0,
+                                                                    acc[i, c] / l[i])
         with TC.Kernel(batch, rows) as (bx, by):
             o = TC.alloc_local((D_LATENT,), ACCUM)
             t = TC.alloc_local((3,), ACCUM)  # running max, sum, lse
             t[0] = neg_inf
             for sp in TC.serial(num_splits):
                 t[0] = TC.max(t[0], L_part[bx, by, sp])
+            t[0] = softmax_offset(t[0])  # every split empty (no key): 0, as in the GPU program
             t[1] = 0.0
             for sp in TC.serial(num_splits):
                 t[1] += TC.exp2(L_part[bx, by, sp] - t[0])
-            t[2] = TC.log2(t[1]) + t[0]
+            t[2] = TC.log2(t[1]) + t[0]  # -inf when no split saw a key
             for c in TC.serial(D_LATENT):
                 o[c] = 0.0
             for sp, c in TC.grid(num_splits, D_LATENT):
-                o[c] += TC.exp2(L_part[bx, by, sp] - t[2]) * O_part[bx, by, sp, c]
+                o[c] += TC.if_then_else(t[1] == 0, 0.0, TC.exp2(L_part[bx, by, sp] - t[2])
+                                        * O_part[bx, by, sp, c])
             # Element by element: the C backend's vectorised fp16 cast is broken.
             for c in TC.serial(D_LATENT):
                 Out[bx, by, c] = from_f32(o[c], dtype)

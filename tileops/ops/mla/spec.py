@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ...spec import Call, Config, OpSpec, pow2_bucket
+from ...spec import Call, Config, OpSpec, check_scale, pow2_bucket, refuse_grad
 from ...target import Target
 from ..common import LOG2E
 from ..host import DTYPE_SIZES, DTYPES, dtype_name, smem_limit
@@ -59,6 +59,10 @@ class MlaArgs(NamedTuple):
 
 class MlaDecodeSpec(OpSpec):
     name = "mla_decode"
+    function = ("tileops.mla_decode(q, kv_cache, block_table, cache_seqlens, *, "
+                "softmax_scale=None, head_dim_v=512, validate=True)")
+    problem_syntax = "B<batch>xS<seqlen>xH<h_q>[xQ<s_q>], e.g. B64xS4096xH128 or B4xS1000xH16xQ2"
+    dtypes = SUPPORTED
     Problem = MlaProblem
     bucketed = ("seqlen",)
     categorical = ("h_q", "s_q", "dtype")
@@ -84,7 +88,9 @@ class MlaDecodeSpec(OpSpec):
                   and block_table.dim() == 2 and block_table.shape[0] == B
                   and block_table.shape[1] >= 1 and cache_seqlens.shape == (B,)
                   and kv_cache.device == q.device == block_table.device == cache_seqlens.device
-                  and kv_cache.is_contiguous())
+                  and kv_cache.is_contiguous() and (q.is_cuda or q.is_cpu)
+                  and not ((q.requires_grad or kv_cache.requires_grad)
+                           and torch.is_grad_enabled()))
         except (AttributeError, TypeError, ValueError):
             ok = False
         if not ok:
@@ -93,8 +99,8 @@ class MlaDecodeSpec(OpSpec):
         longest = _check_table(kv_cache, block_table, cache_seqlens, s_q, validate)
         if softmax_scale is None:
             softmax_scale = D_QK ** -0.5
-        elif not 0 < softmax_scale < math.inf:  # the kernels take the row max of unscaled scores
-            raise ValueError(f"softmax_scale must be positive and finite, got {softmax_scale}")
+        elif not check_scale(softmax_scale, "mla_decode") > 0:  # the kernels take the row max
+            raise ValueError(f"mla_decode: softmax_scale must be positive, got {softmax_scale}")
         problem = MlaProblem(B, pow2_bucket(longest), h_q, s_q, dtype_name(q.dtype))
         args = MlaArgs(q.contiguous().view(B, s_q * h_q, D_QK), kv_cache, block_table,
                        cache_seqlens, float(softmax_scale) * LOG2E, s_q, h_q)
@@ -250,8 +256,10 @@ def reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor
         keys = torch.arange(n, device=q.device)
         for t in range(s_q):
             s[t, :, keys >= n - (s_q - 1 - t)] = -math.inf
-        lse[b] = torch.logsumexp(s, dim=-1).T
-        out[b] = torch.softmax(s, dim=-1) @ k[:, :D_LATENT]
+        row_lse = torch.logsumexp(s, dim=-1)
+        lse[b] = row_lse.T
+        p = torch.softmax(s, dim=-1).masked_fill_(row_lse[..., None] == -math.inf, 0.0)
+        out[b] = p @ k[:, :D_LATENT]  # a row that sees no key: zeros (NaN stays NaN)
     return out, lse
 
 
@@ -313,6 +321,8 @@ def _refuse(q: Any, kv: Any, table: Any, seqlens: Any, head_dim_v: Any) -> None:
     if len(set(devices.values())) > 1:
         raise ValueError("mla_decode: tensors on different devices: "
                          + ", ".join(f"{n} on {d}" for n, d in devices.items()))
+    if q.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"mla_decode runs on CUDA and CPU tensors, not {q.device.type}")
     if kv.dtype != q.dtype:
         raise TypeError(f"mla_decode: q is {dtype_name(q.dtype)} but kv_cache is "
                         f"{dtype_name(kv.dtype)}; both must have the same dtype")
@@ -329,8 +339,11 @@ def _refuse(q: Any, kv: Any, table: Any, seqlens: Any, head_dim_v: Any) -> None:
     if tuple(seqlens.shape) != (B,):
         raise ValueError(f"mla_decode: cache_seqlens must be (batch={B},); got "
                          f"{tuple(seqlens.shape)}")
-    raise ValueError("mla_decode: kv_cache must be contiguous (copying a cache per call would "
-                     "cost more than the attention)")
+    if not kv.is_contiguous():
+        raise ValueError("mla_decode: kv_cache must be contiguous (copying a cache per call "
+                         "would cost more than the attention)")
+    refuse_grad("mla_decode", q=q, kv_cache=kv)
+    raise ValueError(f"mla_decode: unsupported inputs q {tuple(q.shape)} {q.dtype} on {q.device}")
 
 
 class _MlaKernel:

@@ -63,6 +63,9 @@ def dequantize_mxfp4(w_fp4: torch.Tensor, w_scale: torch.Tensor,
     formed in fp32 (fp64 for a float64 result, which is exact even for 6 * 2^127).
     """
     N, K = check_packed(w_fp4, w_scale, "dequantize_mxfp4")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dequantize_mxfp4: dtype must be a floating-point torch.dtype (e.g. "
+                        f"torch.bfloat16), got {dtype!r}")
     work = torch.float64 if dtype == torch.float64 else torch.float32
     codes = torch.stack((w_fp4 & 15, w_fp4 >> 4), dim=-1).reshape(N, K).long()
     table = torch.tensor(E2M1_VALUES, dtype=work, device=w_fp4.device)

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ...spec import Call, Config, OpSpec, pow2_bucket
+from ...spec import Call, Config, OpSpec, pow2_bucket, refuse_grad
 from ...target import Target
 from ..host import (
     DTYPE_SIZES,
@@ -60,6 +60,9 @@ class PackedWeight:
 
 class Mxfp4GemmSpec(OpSpec):
     name = "mxfp4_gemm"
+    function = "tileops.mxfp4_gemm(a, w_fp4, w_scale)"
+    problem_syntax = "MxNxK (weight N x K, K a multiple of 32), e.g. 16x4096x4096"
+    dtypes = {"cuda": SUPPORTED, "cpu": SUPPORTED}
     Problem = Mxfp4Problem
     bucketed = ("M",)
     categorical = ("dtype",)
@@ -74,7 +77,8 @@ class Mxfp4GemmSpec(OpSpec):
             ok = (a.dtype in _ACCEPTED and w_fp4.dtype is torch.uint8
                   and w_scale.dtype is torch.uint8 and K == 2 * K2 and K % BLOCK == 0
                   and N == N2 and KS * BLOCK == K and M and N and K
-                  and a.device == w_fp4.device == w_scale.device)
+                  and a.device == w_fp4.device == w_scale.device
+                  and not (a.requires_grad and torch.is_grad_enabled()))
         except (AttributeError, TypeError, ValueError):
             ok = False
         if not ok:
@@ -107,7 +111,11 @@ class Mxfp4GemmSpec(OpSpec):
         if k_weight != K:
             raise ValueError(f"mxfp4_gemm: a is {M}x{K} but the packed weight {tuple(w_fp4.shape)} "
                              f"holds K = {k_weight} (2 elements per byte)")
-        raise ValueError(f"mxfp4_gemm: empty operand (M={M}, N={N}, K={K}); sizes must be >= 1")
+        if min(M, N, K) == 0:
+            raise ValueError(f"mxfp4_gemm: empty operand (M={M}, N={N}, K={K}); sizes must be "
+                             ">= 1")
+        refuse_grad("mxfp4_gemm", a=a)
+        raise ValueError(f"mxfp4_gemm: unsupported inputs a {tuple(a.shape)} on {a.device}")
 
     def parse_problem(self, text: str, dtype: str) -> Mxfp4Problem:
         match = re.fullmatch(r"\s*(\d+)x(\d+)x(\d+)\s*", text)
