@@ -96,3 +96,26 @@ def test_dynamic_lengths_do_not_recompile_cuda():
     for B, S in [(2, 600), (2, 1024), (1, 999)]:
         assert run(B, S).shape == (B, S, 32, 128)
     assert len(dispatch._kernels) == before
+
+
+@pytest.mark.parametrize("schedule", [{}, {"pingpong": 1}, {"overlap": 1}],
+                         ids=["default", "pingpong", "overlap"])
+def test_nan_propagates_and_rows_without_keys_get_zeros_cuda(schedule):
+    # One NaN in k poisons exactly the outputs that see it (as SDPA and the float64 reference);
+    # queries that see no key (seqlen_q > seqlen_kv, causal) still get zeros and -inf.
+    target = target_of(CUDA)
+    problem = ATTENTION.Problem(1, 1024, 512, 8, 2, 128, True, "bfloat16")
+    config = {**ATTENTION.default_config(problem, target), **schedule}
+    kernel = dispatch.compile_kernel(ATTENTION, problem, config, target)
+    q, k, v, _ = ATTENTION.make_inputs(problem, CUDA, seed=4, sizes={"seqlen_q": 700,
+                                                                     "seqlen_kv": 300})
+    k[0, 5, 1, 7] = float("nan")  # key 5 of KV head 1 (query heads 4-7)
+    out, lse = ATTENTION.launch(kernel, ATTENTION.prepare(q, k, v, True).args)
+    ref_out, ref_lse = ATTENTION.reference((q, k, v, True))
+    assert torch.equal(out.isnan(), ref_out.isnan()) and out.isnan().any()
+    assert torch.equal(lse.isnan(), ref_lse.isnan())
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    unseen = torch.isneginf(ref_lse).transpose(1, 2)  # (batch, seqlen_q, heads_q)
+    assert unseen.any() and (out[unseen] == 0).all()
+    finite = ~ref_out.isnan()
+    assert rel_error(out[finite], ref_out[finite]) < 1e-2

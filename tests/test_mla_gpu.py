@@ -70,3 +70,20 @@ def test_cuda_errors():
     table[0, 0] = kv.shape[0]
     with pytest.raises(ValueError, match="outside the cache"):
         tileops.mla_decode(q, kv, table, seqlens)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_a_row_that_sees_no_key_gets_zeros_and_minus_inf_cuda(num_splits):
+    # Unvalidated calls may hold an empty sequence: its rows get zeros and -inf, as attention's.
+    target = target_of(CUDA)
+    problem = MLA_DECODE.Problem(2, 1024, 16, 1, "bfloat16")
+    q, kv, table, lens = MLA_DECODE.make_inputs(problem, CUDA, seed=3)
+    lens = torch.tensor([0, 700], dtype=torch.int32, device=CUDA)
+    config = {**MLA_DECODE.default_config(problem, target), "num_splits": num_splits}
+    call = MLA_DECODE.prepare(q, kv, table, lens, validate=False)
+    kernel = dispatch.compile_kernel(MLA_DECODE, call.problem, config, target)
+    out, lse = MLA_DECODE.launch(kernel, call.args)
+    assert (out[0] == 0).all() and torch.isneginf(lse[0]).all()
+    ref_out, ref_lse = reference(q, kv, table, lens)
+    assert torch.isneginf(ref_lse[0]).all()
+    check(out[1:], lse[1:], (ref_out[1:], ref_lse[1:]))

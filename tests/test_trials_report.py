@@ -17,7 +17,7 @@ def test_trials_report_lists_each_measured_configuration(tmp_path):
     db = tmp_path / "t.sqlite"
     assert tune_main(["--device", "cpu", "--op", "gemm", "--shape", "64x128x128", "--dtype",
                       "float32", "--space", json.dumps(SPACE), "--sampler", "grid", "--trials",
-                      "2", "--db", str(db), "--quiet"]) == 0
+                      "2", "--abandon", "0", "--db", str(db), "--quiet"]) == 0
     out = tmp_path / "t.json"
     printed = subprocess.run([sys.executable, "benchmarks/trials.py", str(db), "--json", str(out)],
                              cwd=ROOT, check=True, capture_output=True, text=True).stdout

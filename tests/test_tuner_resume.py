@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def command(db: Path, *extra: str) -> list[str]:
     return ["--device", "cpu", "--op", "gemm", "--shape", "64x128x128", "--dtype", "float32",
-            "--space", json.dumps(SPACE), "--db", str(db), "--quiet", *extra]
+            "--space", json.dumps(SPACE), "--abandon", "0", "--db", str(db), "--quiet", *extra]
 
 
 def trials(db: Path) -> list[optuna.trial.FrozenTrial]:

@@ -62,7 +62,7 @@ def test_failures_never_win_and_do_not_stop_the_sweep(tmp_path, monkeypatch):
     db = tmp_path / "faulty.sqlite"
     rc = tune_main(["--device", "cpu", "--op", tuner_helpers.FAULTY.name, "--shape", "16x64x64",
                     "--dtype", "float32", "--trials", "8", "--sampler", "grid",
-                    "--trial-timeout", "10", "--db", str(db), "--quiet"])
+                    "--trial-timeout", "10", "--abandon", "0", "--db", str(db), "--quiet"])
     assert rc == 0
     study = load_study(db)
     verdicts = {}

@@ -49,17 +49,17 @@ def _visible(query, key, seqlen_q, seqlen_kv, causal: bool):
     return key < seqlen_kv
 
 
-# The KV loop body's 13 statements, scheduled for `overlap`: K load (0), mask as the scores'
-# initial value and Q K^T (1-2), online softmax (3-9), rescale O (10), V load (11), P V (12). In
-# steady state iteration k loads K and V of k and issues Q K^T(k), then the rescale and P V of
-# k - 1 (stage 1), then the softmax of k, so the tensor cores work on one product while the
+# The KV loop body's 14 statements, scheduled for `overlap`: K load (0), Q K^T (1-2), the mask
+# of hidden keys (3), online softmax (4-10), rescale O (11), V load (12), P V (13). In steady
+# state iteration k loads K and V of k and issues Q K^T(k), then the rescale and P V of k - 1
+# (stage 1), then the mask and softmax of k, so the tensor cores work on one product while the
 # softmax of the other runs. V is loaded in stage 0, a block ahead of its product, so TileLang
 # double-buffers it and waits for the copy of k - 1 before P V reads it. (With the V load in
 # stage 1, beside its product, TileLang 0.1.15 waited for all but the newest copy, V's own: P V
 # could read V before it landed, and outputs came out wrong or NaN.)
-_EMIT = [0, 11, 1, 2, 10, 12, *range(3, 10)]
-_OVERLAP = {"order": [_EMIT.index(i) for i in range(13)],
-            "stage": [int(i in (10, 12)) for i in range(13)]}
+_EMIT = [0, 12, 1, 2, 11, 13, *range(3, 11)]
+_OVERLAP = {"order": [_EMIT.index(i) for i in range(14)],
+            "stage": [int(i in (11, 13)) for i in range(14)]}
 
 
 # Named barriers of the ping-pong schedule, one per consumer warpgroup (TileLang's own barriers
@@ -135,23 +135,22 @@ def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
                 if pingpong and kb == 0 and wg == 1:  # warpgroup 0 goes first (inside the
                     T.named_barrier_arrive(_PINGPONG_BARRIER, 256)  # loop: consumer threads)
                 T.copy(K[b, kb * block_N:(kb + 1) * block_N, kv_head, :], K_s)
-                # The mask is the product's initial value (0, or -inf where the key is hidden;
-                # blocks every query sees whole skip it) and the scale goes into the exponent's
-                # multiply-add: no pass over the scores between Q K^T and the softmax. The row
-                # maxima are of unscaled scores.
-                if kb < n_full:
-                    T.fill(S, 0)
-                else:
-                    for i, j in T.Parallel(block_M, block_N):
-                        S[i, j] = T.if_then_else(
-                            _visible(q0 + i, kb * block_N + j, seqlen_q, seqlen_kv, causal),
-                            0, neg_inf)
+                # Hidden keys are masked after the product, only in the blocks that hold any
+                # (blocks every query sees whole skip it), so that whatever a hidden key gives,
+                # NaN included, never reaches the rows that do not see it; the scale goes into
+                # the exponent's multiply-add. The row maxima are of unscaled scores.
+                T.fill(S, 0)
                 if pingpong:
                     T.sync_threads(mine, 256)  # the other warpgroup's product is done
                 T.gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
                        annotations=annotations)
                 if pingpong:
                     T.named_barrier_arrive(other, 256)
+                if kb >= n_full:
+                    for i, j in T.Parallel(block_M, block_N):
+                        S[i, j] = T.if_then_else(
+                            _visible(q0 + i, kb * block_N + j, seqlen_q, seqlen_kv, causal),
+                            S[i, j], neg_inf)
                 online_softmax(S, m, m_prev, m_safe, alpha, row_sum, l, scale)
                 T.copy(S, P)
                 for i, j in T.Parallel(block_M, head_dim):
