@@ -22,7 +22,7 @@ from optuna.trial import TrialState
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tileops.db import TuningDB  # noqa: E402
-from tileops.db.storage import canonical  # noqa: E402
+from tileops.spec import canonical  # noqa: E402
 from tuner import studies  # noqa: E402
 
 

@@ -56,8 +56,8 @@ from typing import Any
 import optuna
 import torch
 
-from tileops.db.storage import canonical
 from tileops.ops import get_spec
+from tileops.spec import canonical, space_hash
 from tileops.target import Target, resolve_device
 from tileops.version import __version__
 from tuner import studies, suites
@@ -154,7 +154,7 @@ def replay_stored(args: argparse.Namespace) -> int:
     for name in optuna.get_all_study_names(storage):
         parsed = studies.parse_study_name(name)
         if parsed is None or parsed.prefix != run_prefix("grid", 0) \
-                or parsed.space_hash != studies.space_hash(space):
+                or parsed.space_hash != space_hash(space):
             continue
         grid_study = optuna.load_study(study_name=name, storage=storage)
         spec, target = get_spec(parsed.op), Target(*parsed.target_key)

@@ -20,8 +20,7 @@ import torch
 
 from . import target as _target
 from .db.layers import Choice, Resolver, TuningDatabaseWarning
-from .db.storage import canonical
-from .spec import Config, OpSpec
+from .spec import Config, OpSpec, canonical
 from .target import Target
 
 log = logging.getLogger("tileops")

@@ -31,6 +31,16 @@ from .resources import data_dir
 from .target import Target
 
 Config = dict[str, Any]
+
+
+def canonical(value: Any) -> str:
+    """The canonical JSON text that problems and configs are stored, keyed and compared as."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def space_hash(space: dict[str, list[Any]]) -> str:
+    """Hash of a search space: what tuning records and studies say they searched."""
+    return hashlib.sha256(json.dumps(space, sort_keys=True).encode()).hexdigest()[:16]
 Position = tuple[int, int]  # (row, column) in source, as tokenize gives them
 
 
@@ -158,8 +168,7 @@ class OpSpec(abc.ABC):
         return {k: list(v) for k, v in spaces[target.kind].items()}
 
     def space_hash(self, target: Target) -> str:
-        text = json.dumps(self.space(target), sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return space_hash(self.space(target))
 
     def configs(self, problem: tuple, target: Target,
                 space: dict[str, list[Any]] | None = None) -> Iterator[Config]:

@@ -20,7 +20,6 @@ Exit codes:
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import logging
 import math
@@ -38,9 +37,8 @@ import torch
 
 from tileops import dispatch
 from tileops.db import DatabaseError, TuningDB, default_user_db
-from tileops.db.storage import canonical
 from tileops.ops import SPECS, get_spec
-from tileops.spec import OpSpec
+from tileops.spec import OpSpec, canonical
 from tileops.target import KINDS, Target, parse_override, resolve_device
 
 from . import cost, studies, suites, sweep, winners
@@ -205,8 +203,7 @@ def dry_run(plan: sweep.Plan, lower: bool = False) -> str:
     lines = []
     for problem in plan.problems:
         task = plan.task(problem)
-        valid = [c for c in _grid(plan.space)
-                 if plan.spec.check_config(problem, c, plan.target) is None]
+        valid = list(plan.spec.configs(problem, plan.target, plan.space))
         lines.append(f"{task.label} on {plan.target.describe()}: {len(valid)} of "
                      f"{studies.grid_size(plan.space)} configurations pass the checks; up to "
                      f"{min(plan.trials, len(valid))} would be compiled ({plan.sampler})")
@@ -223,11 +220,12 @@ def precompile(plan: sweep.Plan, progress: Progress) -> int:
     assert plan.space is not None
     jobs, seen = [], set()
     for problem in plan.problems:
-        warm = ([c for c, _ in sweep.warm_start_configs(plan, problem)]
+        warm = ([c for c, _ in sweep.warm_start_configs(plan, problem)
+                 if plan.spec.check_config(problem, c, plan.target) is None]
                 if plan.warm_start and plan.sampler != "grid" else [])
-        for config in [*warm, *_grid(plan.space)]:
+        for config in [*warm, *plan.spec.configs(problem, plan.target, plan.space)]:
             key = (plan.spec.kernel_key(problem), canonical(config))
-            if key not in seen and plan.spec.check_config(problem, config, plan.target) is None:
+            if key not in seen:
                 seen.add(key)
                 jobs.append(Job(plan.spec, problem, plan.target, "cpu", config))
     cache = os.environ.get("TILELANG_CACHE_DIR", "TileLang's default cache")
@@ -269,7 +267,7 @@ def _problems(args: argparse.Namespace) -> tuple[OpSpec, list[tuple]]:
     else:
         if not args.op:
             raise UsageError(f"--op is required with --shape or --problems ({', '.join(SPECS)})")
-        spec = _spec(args.op)
+        spec = suites.named_spec(args.op)
         dtypes = dtypes or ["bfloat16"]
         problems = (suites.from_shapes(spec, args.shape, dtypes) if args.shape
                     else suites.read_problems_file(spec, args.problems, dtypes))
@@ -344,24 +342,12 @@ def _space(spec: OpSpec, target: Target, text: str | None) -> studies.Space:
     return {**space, **override}
 
 
-def _grid(space: studies.Space) -> list[dict[str, Any]]:
-    keys = list(space)
-    return [dict(zip(keys, v, strict=True)) for v in itertools.product(*space.values())]
-
-
 def _check_writable(db: Path) -> None:
     """Refuse, before any trial, a database the winners could not be written to."""
     try:
         with TuningDB(db) as tdb:
             tdb.check_writable()
     except DatabaseError as e:
-        raise UsageError(str(e)) from None
-
-
-def _spec(name: str) -> OpSpec:
-    try:
-        return get_spec(name)
-    except ValueError as e:
         raise UsageError(str(e)) from None
 
 

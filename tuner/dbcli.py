@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from tileops.db import DatabaseError, TuningDB, default_user_db
-from tileops.db.storage import canonical
+from tileops.spec import canonical
 
 from . import dbtools
 from .errors import UsageError

@@ -14,9 +14,8 @@ from pathlib import Path
 import torch
 
 from tileops.db import Resolver, shipped_dbs
-from tileops.db.storage import canonical
 from tileops.dispatch import Dispatcher
-from tileops.spec import OpSpec
+from tileops.spec import OpSpec, canonical
 from tileops.target import target_of
 
 from .evaluate import relative_error

@@ -10,8 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, TextIO
 
-from tileops.db.storage import canonical
-from tileops.spec import Config
+from tileops.spec import Config, canonical
 
 if TYPE_CHECKING:
     from .evaluate import Measurement

@@ -23,8 +23,7 @@ from typing import Any
 import optuna
 from optuna.trial import Trial
 
-from tileops.db.storage import canonical
-from tileops.spec import Config, OpSpec
+from tileops.spec import Config, OpSpec, canonical
 from tileops.target import Target
 
 from . import studies

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tileops.db.storage import canonical
+from tileops.spec import canonical
 
 from .child import Child, ChildError, Outcome, Pool, close_all, run_parallel
 from .evaluate import Job, Measurement, compile_job, measure, ready, retime

@@ -20,7 +20,6 @@ study is answered from the earlier trial (`repeat_of`) without compiling and is 
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import json
 import logging
 import math
@@ -40,8 +39,7 @@ from optuna.storages import BaseStorage, JournalStorage, RDBStorage
 from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
 from optuna.trial import FrozenTrial, Trial, TrialState
 
-from tileops.db.storage import canonical
-from tileops.spec import Config
+from tileops.spec import Config, canonical, space_hash
 
 from .errors import UsageError
 from .evaluate import ABANDONED
@@ -56,6 +54,7 @@ FAILURE, REASON, REPEAT_OF, ERROR = "failure", "reason", "repeat_of", "rel_error
 GPU = "gpu"  # UUID of the GPU a trial was timed on
 PHASES = "phases"  # seconds per phase of its measurement (evaluate.PHASES, "ipc", "compile")
 ESTIMATE = "estimate_us"  # the few-launch estimate of an abandoned candidate
+_EVALUATED = (TrialState.COMPLETE, TrialState.PRUNED)  # trials with a verdict
 # A trial improves on the best so far when it is faster by more than this fraction.
 IMPROVEMENT = 0.01
 # A running trial of another host is presumed dead after this long.
@@ -145,11 +144,6 @@ def _parses(line: bytes) -> bool:
     except ValueError:
         return False
     return True
-
-
-def space_hash(space: Space) -> str:
-    """Hash of a search space, as `OpSpec.space_hash` computes it for the spec's own space."""
-    return hashlib.sha256(json.dumps(space, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def study_name(prefix: str, op: str, target_key: tuple[str, str, str], problem: dict[str, Any],
@@ -260,11 +254,16 @@ class Ledger:
         return sorted(trials, key=lambda t: (t.value, canonical(t.params)))
 
 
+def is_counted(trial: FrozenTrial) -> bool:
+    """Whether `--trials` counts a trial: a compiled candidate told a latency or a failure, not a
+    repeat of an earlier verdict."""
+    return (trial.state in _EVALUATED and bool(trial.user_attrs.get(COUNTED))
+            and REPEAT_OF not in trial.user_attrs)
+
+
 def counted_trials(study: optuna.Study) -> list[FrozenTrial]:
-    """The trials `--trials` counts, in order: a compiled candidate told a latency or a failure,
-    repeats of an earlier verdict left out (what `read_ledger` counts)."""
-    return [t for t in study.get_trials(deepcopy=False, states=_EVALUATED)
-            if t.user_attrs.get(COUNTED) and REPEAT_OF not in t.user_attrs]
+    """The trials `--trials` counts (`is_counted`), in order."""
+    return [t for t in study.get_trials(deepcopy=False, states=_EVALUATED) if is_counted(t)]
 
 
 def read_ledger(study: optuna.Study) -> Ledger:
@@ -277,10 +276,10 @@ def read_ledger(study: optuna.Study) -> Ledger:
                 ledger.running += 1
                 ledger.in_flight.add(canonical(t.params))
             continue
-        if t.state not in (TrialState.COMPLETE, TrialState.PRUNED) or REPEAT_OF in attrs:
+        if t.state not in _EVALUATED or REPEAT_OF in attrs:
             continue
         ledger.finished.setdefault(canonical(t.params), t)
-        if not attrs.get(COUNTED):
+        if not is_counted(t):  # refused by check_config before any compile
             ledger.skipped += 1
             continue
         ledger.counted += 1
@@ -306,9 +305,6 @@ def earlier_twin(study: optuna.Study, trial: Trial) -> FrozenTrial | None:
                 and t.params == trial.params:
             return t
     return None
-
-
-_EVALUATED = (TrialState.COMPLETE, TrialState.PRUNED)
 
 
 # ---- writing trials -----------------------------------------------------------------------------

@@ -71,7 +71,7 @@ def load(name: str, dtypes: list[str] | None = None) -> Suite:
         raise UsageError(f"cannot read suite {path}: {e}") from None
     if "op" not in data:
         raise UsageError(f"suite {path}: no 'op' (the operator it is for)")
-    spec = _spec(data["op"])
+    spec = named_spec(data["op"])
     problems = _dedupe(_suite_problems(spec, data, path, dtypes))
     return Suite(path.stem, spec.name, str(data.get("description", "")), problems)
 
@@ -157,7 +157,8 @@ def parse(spec: OpSpec, text: str, dtype: str, where: str) -> tuple:
         raise UsageError(f"{where}: {e}") from None
 
 
-def _spec(name: str) -> OpSpec:
+def named_spec(name: str) -> OpSpec:
+    """The operator named on the command line or in a suite (a UsageError if there is none)."""
     try:
         return get_spec(name)
     except ValueError as e:

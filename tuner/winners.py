@@ -33,10 +33,9 @@ from typing import Any
 
 from tileops.db import provenance
 from tileops.db.layers import stale_reason
-from tileops.db.storage import KEY_FIELDS, TuningDB, canonical, transient_record
-from tileops.spec import Config
+from tileops.db.storage import KEY_FIELDS, TuningDB, transient_record
+from tileops.spec import Config, canonical, space_hash
 
-from . import studies
 from .dbtools import merge_wins
 from .evaluate import Measurement
 from .search import Task
@@ -131,10 +130,10 @@ def retime_top(session: Session, task: Task, ledger: Ledger, top: int, rounds: i
 
 def record_fields(task: Task, decision: Decision, trials: int) -> dict[str, Any]:
     """The tuning record of a decision, with its provenance (the space is the one searched)."""
-    return {**provenance(task.spec, task.target), "problem": task.spec.problem_dict(task.problem),
-            "chosen": decision.chosen, "config": decision.config, "tile_us": decision.tile_us,
-            "baseline_us": decision.baseline_us, "space_hash": studies.space_hash(task.space),
-            "trials": trials}
+    return {**provenance(task.spec, task.target, task.space),
+            "problem": task.spec.problem_dict(task.problem), "chosen": decision.chosen,
+            "config": decision.config, "tile_us": decision.tile_us,
+            "baseline_us": decision.baseline_us, "trials": trials}
 
 
 def already_recorded(db: Path, task: Task, trials: int) -> bool:
@@ -145,7 +144,7 @@ def already_recorded(db: Path, task: Task, trials: int) -> bool:
     with TuningDB(db, readonly=True) as tdb:
         for r in tdb.records(task.spec.name, task.target.key):
             if r.problem == problem:
-                return (r.trials == trials and r.space_hash == studies.space_hash(task.space)
+                return (r.trials == trials and r.space_hash == space_hash(task.space)
                         and stale_reason(task.spec, r) is None)
     return False
 

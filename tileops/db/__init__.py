@@ -3,10 +3,10 @@
 from .layers import Choice, Resolver, TuningDatabaseWarning, default_user_db, shipped_dbs
 from .models import SCHEMA_VERSION, Record
 from .provenance import provenance
-from .storage import DatabaseError, TuningDB, canonical, record_dict
+from .storage import DatabaseError, TuningDB, record_dict
 
 __all__ = [
     "SCHEMA_VERSION", "Choice", "DatabaseError", "Record", "Resolver", "TuningDB",
-    "TuningDatabaseWarning", "canonical", "default_user_db", "provenance", "record_dict",
+    "TuningDatabaseWarning", "default_user_db", "provenance", "record_dict",
     "shipped_dbs",
 ]

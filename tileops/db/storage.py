@@ -3,32 +3,26 @@
 from __future__ import annotations
 
 import datetime as dt
-import json
 import os
-import sqlite3
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import create_engine, event, inspect, select
+from sqlalchemy import create_engine, inspect, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
+from ..spec import canonical
 from .models import MIGRATIONS, SCHEMA_VERSION, Base, Meta, Record
 
-# Columns a caller fills when recording a result; the rest (id, created_at) are the database's.
+# Columns a record holds, all but its row id (`put` fills `created_at` when a caller does not).
 RECORD_FIELDS = tuple(c.name for c in Record.__table__.columns if c.name not in ("id",))
 KEY_FIELDS = ("op", "problem", "target_kind", "arch", "device")
 
 
 class DatabaseError(Exception):
     """A tuning database that cannot be used: missing, locked, corrupt, or of a newer schema."""
-
-
-def canonical(value: Any) -> str:
-    """The canonical JSON text that problems and configs are stored and compared as."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
 class TuningDB:
@@ -234,15 +228,7 @@ def _engine(path: Path, readonly: bool, timeout: float) -> Engine:
         url = f"sqlite:///file:{path.resolve()}?mode=ro&uri=true"
     else:
         url = f"sqlite:///{path.resolve()}"
-    engine = create_engine(url, connect_args={"timeout": timeout})
-
-    @event.listens_for(engine, "connect")
-    def _pragmas(dbapi_conn: sqlite3.Connection, _record: object) -> None:
-        cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA foreign_keys=ON")
-        cur.close()
-
-    return engine
+    return create_engine(url, connect_args={"timeout": timeout})
 
 
 def _reason(e: Exception) -> str:
