@@ -20,7 +20,7 @@ from tuner_helpers import FakeSession
 from tileops.db import TuningDB
 from tileops.ops import get_spec
 from tileops.target import resolve_device
-from tuner import studies, sweep
+from tuner import lifecycle, studies, sweep
 from tuner.cli import tune_main
 from tuner.progress import Progress
 from tuner.search import Limits, Task, search
@@ -102,7 +102,7 @@ def test_interrupted_and_killed_sweeps_resume(tmp_path, monkeypatch):
     left_running = [t.number for t in trials(db) if t.state == TrialState.RUNNING]
     # A kill between asking for a trial and writing its owner leaves a trial no one owns, reaped
     # after ORPHAN_AFTER (another host's worker may be in that window); this is the only worker.
-    monkeypatch.setattr(studies, "ORPHAN_AFTER", dt.timedelta(0))
+    monkeypatch.setattr(lifecycle, "ORPHAN_AFTER", dt.timedelta(0))
     # The same command again finishes the budget, each configuration evaluated once.
     assert tune_main(command(db, *extra)) == 0
     after = {t.number: t for t in trials(db)}
@@ -162,7 +162,7 @@ def test_reaper_fails_only_trials_whose_worker_is_gone(monkeypatch):
     remote, _ = studies.ask(study, space)  # another host's worker: may be alive
     monkeypatch.setattr(studies, "_pid_alive", lambda pid: True)
     assert studies.reap_interrupted(study, space) == 0  # an owner-less trial is young
-    monkeypatch.setattr(studies, "ORPHAN_AFTER", dt.timedelta(0))
+    monkeypatch.setattr(lifecycle, "ORPHAN_AFTER", dt.timedelta(0))
     assert studies.reap_interrupted(study, space) == 1
     states = {t.number: (t.state, t.user_attrs.get(studies.REASON)) for t in study.trials}
     assert states[dead.number] == (TrialState.FAIL, "interrupted")
@@ -211,3 +211,59 @@ def test_search_gives_back_trials_asked_but_not_yet_evaluated(monkeypatch):
                Progress(quiet=True), batch=1, time_baseline=False)
     states = Counter(t.state for t in study.get_trials(deepcopy=False))
     assert states == {TrialState.FAIL: 1, TrialState.WAITING: 1}
+
+
+_WORKERS_SCRIPT = """
+import json, sys
+from tileops.ops import get_spec
+from tileops.target import resolve_device
+from tuner import lifecycle, sweep
+from tuner.progress import Progress
+
+if __name__ == "__main__":
+    spec = get_spec("gemm")
+    target, _ = resolve_device("cpu")
+    plan = sweep.Plan(spec=spec, target=target, devices=["cpu", "cpu"],
+                      problems=[spec.parse_problem("64x128x128", "float32")], db=sys.argv[1],
+                      storage=sys.argv[2], sampler="grid", trials=16, jobs=2,
+                      space=json.loads(sys.argv[3]), quiet=True)
+    try:
+        with lifecycle.stop_on_sigterm():
+            sweep.run(plan, Progress(quiet=True))
+    except KeyboardInterrupt:
+        sys.exit(lifecycle.INTERRUPTED)
+"""
+
+
+def test_sigterm_to_a_parent_stops_its_workers_who_give_their_trials_back(tmp_path):
+    script = tmp_path / "workers.py"
+    script.write_text(_WORKERS_SCRIPT)
+    storage = tmp_path / "shared.journal"
+    space = {"block_M": [16, 64], "block_N": [16, 32, 64], "block_K": [16, 32, 64]}
+    env = {**os.environ, "TILELANG_CACHE_DIR": str(tmp_path / "kernel-cache"),
+           "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "w.sqlite"),
+                             str(storage), json.dumps(space)], cwd=ROOT, env=env,
+                            start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:  # until a worker holds a trial in flight
+        st = studies.open_storage(str(storage)) if storage.exists() else None
+        names = optuna.get_all_study_names(st) if st else []
+        if names and any(t.state == TrialState.RUNNING for t in optuna.load_study(
+                study_name=names[0], storage=st).get_trials(deepcopy=False)):
+            break
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    else:
+        raise AssertionError("no trial in flight after 180 s")
+    stopped = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=lifecycle.WORKER_GRACE_S + 60)
+    assert proc.returncode == lifecycle.INTERRUPTED
+    assert time.monotonic() - stopped < lifecycle.WORKER_GRACE_S  # told, not waited out
+    st = studies.open_storage(str(storage))
+    trials_left = optuna.load_study(study_name=optuna.get_all_study_names(st)[0],
+                                    storage=st).get_trials(deepcopy=False)
+    assert not any(t.state == TrialState.RUNNING for t in trials_left)
+    assert session_processes(proc.pid) == []

@@ -13,7 +13,8 @@ Trial states, chosen so that samplers learn the right thing:
 - FAIL: not evaluated (interrupted, or a repeat of a configuration still in flight). An
   interrupted candidate's configuration is enqueued again, so a resumed sweep still evaluates it.
 User attributes record why (`failure`, `reason`), who ran it (`owner`) and whether it counts toward
-the trial budget (`counted`: a compile was attempted). A configuration already evaluated in the
+the trial budget (`counted`: a compile was attempted). Who moves a trial between the states, and
+when: `tuner.lifecycle`. A configuration already evaluated in the
 study is answered from the earlier trial (`repeat_of`) without compiling and is not counted.
 """
 
@@ -24,11 +25,7 @@ import json
 import logging
 import math
 import os
-import signal
 import socket
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +38,7 @@ from optuna.trial import FrozenTrial, Trial, TrialState
 
 from tileops.spec import Config, canonical, space_hash
 
+from . import lifecycle
 from .errors import UsageError
 from .evaluate import ABANDONED
 
@@ -57,10 +55,6 @@ ESTIMATE = "estimate_us"  # the few-launch estimate of an abandoned candidate
 _EVALUATED = (TrialState.COMPLETE, TrialState.PRUNED)  # trials with a verdict
 # A trial improves on the best so far when it is faster by more than this fraction.
 IMPROVEMENT = 0.01
-# A running trial of another host is presumed dead after this long.
-STALE_AFTER = dt.timedelta(hours=6)
-# A running trial without an owner (its worker died right after asking for it), after this long.
-ORPHAN_AFTER = dt.timedelta(minutes=1)
 
 
 def default_storage(db: Path) -> str:
@@ -311,30 +305,10 @@ def earlier_twin(study: optuna.Study, trial: Trial) -> FrozenTrial | None:
 def ask(study: optuna.Study, space: Space) -> tuple[Trial, Config]:
     """A new trial, owned by this process, with its configuration: written as one step, so that a
     Ctrl-C never leaves a running trial without an owner or a complete configuration."""
-    with _signals_deferred():
+    with lifecycle.signals_deferred():
         trial = study.ask()
         trial.set_user_attr(OWNER, owner_id())
         return trial, suggest(trial, space)
-
-
-@contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM until the block ends, then deliver them (main thread only: the
-    only thread Python runs signal handlers in)."""
-    held = (signal.SIGINT, signal.SIGTERM)
-    if threading.current_thread() is not threading.main_thread() \
-            or any(signal.getsignal(s) is None for s in held):  # a handler Python cannot restore
-        yield
-        return
-    caught: list[int] = []
-    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in held}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        for s in caught[:1]:
-            signal.raise_signal(s)
 
 
 def release_own(study: optuna.Study, space: Space, reason: str) -> int:
@@ -379,12 +353,21 @@ def _tell(study: optuna.Study, trial: Trial | FrozenTrial, state: TrialState,
           value: float | None, attrs: dict[str, Any]) -> bool:
     try:
         for k, v in attrs.items():
-            study._storage.set_trial_user_attr(trial._trial_id, k, v)
+            _set_user_attr(study, trial, k, v)
         study.tell(trial.number, value if state == TrialState.COMPLETE else None, state=state)
         return True
     except (RuntimeError, ValueError) as e:  # finished meanwhile (e.g. reaped by another worker)
         log.warning("trial %d of %s could not be updated: %s", trial.number, study.study_name, e)
         return False
+
+
+def _set_user_attr(study: optuna.Study, trial: Trial | FrozenTrial, key: str, value: Any) -> None:
+    if isinstance(trial, Trial):
+        trial.set_user_attr(key, value)
+    else:
+        # A trial read back from the storage (another process's, being reaped, or ours found by
+        # owner): Optuna has no public way to write a running FrozenTrial's attributes.
+        study._storage.set_trial_user_attr(trial._trial_id, key, value)
 
 
 def reap_interrupted(study: optuna.Study, space: Space, own: bool = True) -> int:
@@ -401,7 +384,7 @@ def reap_interrupted(study: optuna.Study, space: Space, own: bool = True) -> int
             continue
         owner_host, _, pid = owner.rpartition(":")
         local_dead = owner_host == host and pid.isdigit() and not _pid_alive(int(pid))
-        orphan = not owner and now - (t.datetime_start or now) > ORPHAN_AFTER
+        orphan = not owner and now - (t.datetime_start or now) > lifecycle.ORPHAN_AFTER
         if orphan or local_dead or _presumed_dead(t, now):
             release(study, t, "interrupted", requeue=in_space(t.params, space))
             reaped += 1
@@ -409,7 +392,7 @@ def reap_interrupted(study: optuna.Study, space: Space, own: bool = True) -> int
 
 
 def _presumed_dead(trial: FrozenTrial, now: dt.datetime) -> bool:
-    return trial.datetime_start is not None and now - trial.datetime_start > STALE_AFTER
+    return trial.datetime_start is not None and now - trial.datetime_start > lifecycle.STALE_AFTER
 
 
 def _pid_alive(pid: int) -> bool:

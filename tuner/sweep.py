@@ -24,7 +24,7 @@ from tileops.db.storage import DatabaseError, TuningDB
 from tileops.spec import Config, OpSpec
 from tileops.target import Target
 
-from . import studies, winners
+from . import lifecycle, studies, winners
 from .evaluate import Job
 from .progress import Progress
 from .search import ABANDON, Limits, SearchReport, Task, search
@@ -227,11 +227,8 @@ def _run_workers(plan: Plan, storage: optuna.storages.BaseStorage, progress: Pro
     try:
         for w in workers:
             w.join()
-    finally:
-        for w in workers:
-            w.join(30)
-            if w.is_alive():
-                w.kill()
+    finally:  # also when the parent is told to stop: its workers give their trials back first
+        lifecycle.stop_workers(workers)
     failed = [w.name for w in workers if w.exitcode != 0]
     if failed:
         progress.note(f"worker(s) {', '.join(failed)} stopped early; re-run to resume")
@@ -252,11 +249,11 @@ def _worker(plan: Plan, index: int, jobs: int) -> None:
     progress = Progress(quiet=plan.quiet, tty=False, prefix=f"[worker {index} {device}] ")
     storage = studies.open_storage(plan.storage)
     try:
-        with Session(device, jobs, plan.trial_timeout) as session:
+        with lifecycle.stop_on_sigterm(), Session(device, jobs, plan.trial_timeout) as session:
             for problem in plan.problems:
                 task = plan.task(problem, device)
                 study = _open(plan, storage, task, stream=index + 1)
                 search(session, study, task, plan.limits(), progress, jobs, plan.seed,
                        time_baseline=index == 0)  # the parent re-times it with the winners
     except KeyboardInterrupt:
-        raise SystemExit(130) from None
+        raise SystemExit(lifecycle.INTERRUPTED) from None
