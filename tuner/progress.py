@@ -1,7 +1,8 @@
-"""What the user sees while a sweep runs: a live line per problem and a summary table at the end.
+"""What the user sees while a sweep runs: a progress bar per problem and a summary table at the end.
 
-On a terminal the line is rewritten in place (carriage return); otherwise (logs, CI) each trial
-prints one line; `quiet` prints nothing.
+On a terminal each problem gets a tqdm bar (counted trials against the budget, the best so far
+beside it) and notes print above it; elsewhere (logs, CI) each trial prints one plain line;
+`quiet` prints nothing.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, TextIO
+
+from tqdm import tqdm
 
 from tileops.spec import Config, canonical
 
@@ -27,7 +30,7 @@ class Progress:
         self._label = ""
         self._budget = 0
         self._baseline_us: float | None = None
-        self._width = 0
+        self._bar: tqdm | None = None
 
     def begin(self, label: str, budget: int, ledger: Ledger, baseline: Measurement | None
               ) -> None:
@@ -35,28 +38,50 @@ class Progress:
         self._baseline_us = baseline.stats.median_us if baseline and baseline.stats else None
         if baseline is not None and not baseline.ok:
             self.note(f"{label}: baseline failed ({baseline.failure}: {baseline.reason})")
-        self._show(self._status(ledger), final=not self.tty)
+        if self.quiet:
+            return
+        if self.tty:
+            self._bar = tqdm(total=budget, initial=ledger.counted, desc=self.prefix + label,
+                             file=self.stream, leave=True, dynamic_ncols=True, unit="trial")
+            self._bar.set_postfix_str(self._best(ledger))
+        else:
+            self._line(self._status(ledger))
 
     def update(self, ledger: Ledger, number: int, config: Config, m: Measurement) -> None:
-        if self.tty:
-            self._show(self._status(ledger))
-        else:
+        if self._bar is not None:
+            self._bar.n = ledger.counted
+            self._bar.set_postfix_str(self._best(ledger))  # refreshes the bar
+        elif not self.quiet:
             result = (f"{m.stats.median_us:.2f} us" if m.ok and m.stats
                       else f"{m.failure}: {m.reason}")
-            self._show(f"#{number} {canonical(config)} -> {result} | {self._status(ledger)}",
-                       final=True)
+            self._line(f"#{number} {canonical(config)} -> {result} | {self._status(ledger)}")
 
     def end(self, ledger: Ledger, stopped: str) -> None:
-        self._show(f"{self._status(ledger)} ({stopped})", final=True)
+        if self._bar is not None:
+            self._bar.n = ledger.counted
+            self._bar.set_postfix_str(f"{self._best(ledger)} ({stopped})")
+            self._bar.close()
+            self._bar = None
+        elif not self.quiet:
+            self._line(f"{self._status(ledger)} ({stopped})")
 
     def note(self, text: str) -> None:
-        """A line of its own that does not clobber the live line."""
-        if not self.quiet:
-            self._clear()
-            print(self.prefix + text, file=self.stream, flush=True)
+        """A line of its own, above the bar."""
+        if self.quiet:
+            return
+        if self._bar is not None:
+            tqdm.write(self.prefix + text, file=self.stream)
+        else:
+            self._line(text)
 
     def _status(self, ledger: Ledger) -> str:
-        parts = [f"{ledger.counted}/{self._budget} trials", f"{ledger.failed} failed"]
+        return (f"{self._label}: {ledger.counted}/{self._budget} trials, "
+                + self._best(ledger))
+
+    def _best(self, ledger: Ledger) -> str:
+        parts = [f"{ledger.failed} failed"]
+        if ledger.abandoned:
+            parts.append(f"{ledger.abandoned} abandoned")
         if ledger.skipped:
             parts.append(f"{ledger.skipped} refused")
         if ledger.best is not None:
@@ -65,24 +90,10 @@ class Progress:
             if self._baseline_us:
                 parts.append(f"{self._baseline_us / best:.2f}x vs baseline "
                              f"{self._baseline_us:.2f} us")
-        return f"{self._label}: " + ", ".join(parts)
+        return ", ".join(parts)
 
-    def _show(self, text: str, final: bool = False) -> None:
-        if self.quiet:
-            return
-        text = self.prefix + text
-        if self.tty:
-            pad = " " * max(0, self._width - len(text))
-            self.stream.write("\r" + text + pad + ("\n" if final else ""))
-            self._width = 0 if final else len(text)
-        else:
-            self.stream.write(text + "\n")
-        self.stream.flush()
-
-    def _clear(self) -> None:
-        if self.tty and self._width:
-            self.stream.write("\r" + " " * self._width + "\r")
-            self._width = 0
+    def _line(self, text: str) -> None:
+        print(self.prefix + text, file=self.stream, flush=True)
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
