@@ -21,7 +21,7 @@ from harness import RESULTS, device_dir, versions
 from tileops.dispatch import DISPATCHER, compile_kernel
 from tileops.ops.gemm import GEMM
 from tileops.target import resolve_device
-from tuner.timing import FLUSH_MODES, Timer
+from tileops.tuner.timing import FLUSH_MODES, Timer
 
 SHAPES = [(16, 4096, 4096), (16, 6144, 4096), (16, 8192, 8192), (16, 28672, 4096)]
 

@@ -30,10 +30,10 @@ import tileops
 from tileops.dispatch import DISPATCHER, compile_kernel
 from tileops.spec import OpSpec
 from tileops.target import Target, resolve_device
-from tuner import suites
-from tuner.evaluate import Job, relative_error
-from tuner.session import compile_all
-from tuner.timing import Timer
+from tileops.tuner import suites
+from tileops.tuner.evaluate import Job, relative_error
+from tileops.tuner.session import compile_all
+from tileops.tuner.timing import Timer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -30,7 +30,7 @@ from optuna.trial import TrialState
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tileops.db import TuningDB  # noqa: E402
-from tuner import studies  # noqa: E402
+from tileops.tuner import studies  # noqa: E402
 
 RUNS = {"two": 2, "one": 1}  # run name -> workers
 

@@ -23,7 +23,7 @@ from harness import RESULTS, device_dir, versions
 from tileops.db import TuningDB
 from tileops.ops import get_spec
 from tileops.target import resolve_device
-from tuner.evaluate import Job, retime
+from tileops.tuner.evaluate import Job, retime
 
 
 def records(path: Path, op: str, target_key: tuple) -> dict[str, Any]:

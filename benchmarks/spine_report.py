@@ -20,8 +20,8 @@ from tileops import dispatch
 from tileops.dispatch import DISPATCHER
 from tileops.ops.gemm import GEMM
 from tileops.target import target_of
-from tuner.evaluate import relative_error
-from tuner.timing import Timer
+from tileops.tuner.evaluate import relative_error
+from tileops.tuner.timing import Timer
 
 SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192)] + [
     (M, N, K) for M in (16, 4096) for N, K in ((6144, 4096), (4096, 4096), (28672, 4096),

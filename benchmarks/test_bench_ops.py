@@ -16,8 +16,8 @@ import pytest
 
 import tileops
 from tileops.dispatch import DISPATCHER
-from tuner import suites
-from tuner.timing import Timer, synchronize
+from tileops.tuner import suites
+from tileops.tuner.timing import Timer, synchronize
 
 _REPORT: dict = {}
 

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tileops.db import TuningDB  # noqa: E402
 from tileops.spec import canonical  # noqa: E402
-from tuner import studies  # noqa: E402
+from tileops.tuner import studies  # noqa: E402
 
 
 def baselines(db: Path | None) -> dict[tuple[str, str], float]:

@@ -59,14 +59,14 @@ import torch
 from tileops.ops import get_spec
 from tileops.spec import canonical, space_hash
 from tileops.target import Target, resolve_device
+from tileops.tuner import studies, suites
+from tileops.tuner.child import Outcome
+from tileops.tuner.evaluate import ABANDONED, Job, Measurement
+from tileops.tuner.progress import Progress
+from tileops.tuner.search import Limits, Task, search
+from tileops.tuner.session import Session
+from tileops.tuner.timing import Stats
 from tileops.version import __version__
-from tuner import studies, suites
-from tuner.child import Outcome
-from tuner.evaluate import ABANDONED, Job, Measurement
-from tuner.progress import Progress
-from tuner.search import Limits, Task, search
-from tuner.session import Session
-from tuner.timing import Stats
 
 ROOT = Path(__file__).resolve().parent
 INCOMPLETE = 3

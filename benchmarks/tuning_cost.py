@@ -29,7 +29,7 @@ from typing import Any
 import optuna
 from harness import RESULTS
 
-from tuner import cost, studies, suites
+from tileops.tuner import cost, studies, suites
 
 DECODE_SLICE = "gemm-decode-bfloat16"
 SUITES = ("gemm_llama", "attention", "mla_decode", "mxfp4_llama")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 
 from tileops.db import TuningDB, provenance
-from tuner.evaluate import relative_error as rel_error  # noqa: F401 - the tests' error metric
+from tileops.tuner.evaluate import relative_error as rel_error  # noqa: F401 - the tests' error metric
 
 
 def make_record(spec, target, problem, config, *, tile_us=10.0, baseline_us=12.0,

@@ -17,7 +17,7 @@ import tileops
 from tileops import dispatch
 from tileops.ops.attention import ATTENTION
 from tileops.target import Target, target_of
-from tuner.evaluate import relative_error
+from tileops.tuner.evaluate import relative_error
 
 CPU = torch.device("cpu")
 

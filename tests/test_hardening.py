@@ -19,9 +19,9 @@ import tileops
 from tileops.db import TuningDB
 from tileops.ops import SPECS, get_spec
 from tileops.target import target_of
-from tuner import studies
-from tuner.cli import tileops_main, tune_main
-from tuner.errors import UsageError
+from tileops.tuner import studies
+from tileops.tuner.cli import tileops_main, tune_main
+from tileops.tuner.errors import UsageError
 
 GEMM = get_spec("gemm")
 CPU_T = target_of(torch.device("cpu"))
@@ -284,9 +284,9 @@ def tuner_log():
     handler = logging.Handler(logging.WARNING)
     messages: list[str] = []
     handler.emit = lambda record: messages.append(record.getMessage())
-    logging.getLogger("tuner").addHandler(handler)
+    logging.getLogger("tileops.tuner").addHandler(handler)
     yield messages
-    logging.getLogger("tuner").removeHandler(handler)
+    logging.getLogger("tileops.tuner").removeHandler(handler)
 
 
 def test_a_torn_journal_tail_is_set_aside(tmp_path, tuner_log):

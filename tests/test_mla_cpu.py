@@ -132,7 +132,7 @@ def test_parse_problem_errors():
 
 
 def test_suite_loads():
-    from tuner import suites
+    from tileops.tuner import suites
 
     suite = suites.load("mla_decode")
     assert suite.op == "mla_decode" and len(suite.problems) == 32

@@ -5,8 +5,8 @@ from __future__ import annotations
 import io
 from types import SimpleNamespace
 
-from tuner.progress import Progress
-from tuner.studies import Ledger
+from tileops.tuner.progress import Progress
+from tileops.tuner.studies import Ledger
 
 
 class Terminal(io.StringIO):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tileops.target import Target
-from tuner import suites
+from tileops.tuner import suites
 
 TARGETS = [Target("cuda", "sm_90a", "H200", 132), Target("cuda", "sm_80", "A100", 108),
            Target("hip", "gfx942", "MI300X", 304), Target("hip", "gfx1100", "RX 7900 XTX", 96),

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tuner.cli import tune_main
+from tileops.tuner.cli import tune_main
 
 ROOT = Path(__file__).resolve().parents[1]
 SPACE = {"block_M": [16, 64], "block_N": [32], "block_K": [64]}

@@ -12,9 +12,9 @@ from helpers import make_record, write_db
 from tileops.db import TuningDB
 from tileops.ops import get_spec
 from tileops.target import Target
-from tuner import suites
-from tuner.cli import tileops_main, tune_main
-from tuner.errors import UsageError
+from tileops.tuner import suites
+from tileops.tuner.cli import tileops_main, tune_main
+from tileops.tuner.errors import UsageError
 
 GEMM = get_spec("gemm")
 CPU = Target("cpu", "x86_64", "Test CPU", 8)

@@ -20,10 +20,10 @@ from tuner_helpers import FakeSession
 from tileops.db import TuningDB
 from tileops.ops import get_spec
 from tileops.target import resolve_device
-from tuner import lifecycle, studies, sweep
-from tuner.cli import tune_main
-from tuner.progress import Progress
-from tuner.search import Limits, Task, search
+from tileops.tuner import lifecycle, studies, sweep
+from tileops.tuner.cli import tune_main
+from tileops.tuner.progress import Progress
+from tileops.tuner.search import Limits, Task, search
 
 SPACE = {"block_M": [16, 64], "block_N": [32, 64], "block_K": [64]}
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ def counted(db: Path) -> list[optuna.trial.FrozenTrial]:
 
 
 def start(db: Path, *extra: str) -> subprocess.Popen:
-    args = [sys.executable, "-m", "tuner", "tune", *command(db, *extra)]
+    args = [sys.executable, "-m", "tileops.tuner", "tune", *command(db, *extra)]
     return subprocess.Popen(args, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -217,8 +217,8 @@ _WORKERS_SCRIPT = """
 import json, sys
 from tileops.ops import get_spec
 from tileops.target import resolve_device
-from tuner import lifecycle, sweep
-from tuner.progress import Progress
+from tileops.tuner import lifecycle, sweep
+from tileops.tuner.progress import Progress
 
 if __name__ == "__main__":
     spec = get_spec("gemm")

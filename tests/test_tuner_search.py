@@ -17,11 +17,11 @@ from tileops import dispatch
 from tileops.db import TuningDB
 from tileops.ops import get_spec
 from tileops.target import resolve_device
-from tuner import evaluate, studies, winners
-from tuner.evaluate import Job, Measurement
-from tuner.progress import Progress
-from tuner.search import Limits, Task, search
-from tuner.timing import Stats
+from tileops.tuner import evaluate, studies, winners
+from tileops.tuner.evaluate import Job, Measurement
+from tileops.tuner.progress import Progress
+from tileops.tuner.search import Limits, Task, search
+from tileops.tuner.timing import Stats
 
 GEMM = get_spec("gemm")
 SPACE = {"block_M": [16, 64], "block_N": [16, 32], "block_K": [16, 32]}

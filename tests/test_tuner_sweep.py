@@ -14,8 +14,8 @@ from tileops.db.layers import stale_reason
 from tileops.dispatch import DISPATCHER
 from tileops.ops import SPECS, get_spec
 from tileops.target import target_of
-from tuner import studies
-from tuner.cli import tune_main
+from tileops.tuner import studies
+from tileops.tuner.cli import tune_main
 
 TINY = {"block_M": [16, 64], "block_N": [32], "block_K": [64]}
 

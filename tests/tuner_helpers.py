@@ -100,7 +100,7 @@ class FakeSession:
         pass
 
     def finished(self, block=False):
-        from tuner.child import Outcome
+        from tileops.tuner.child import Outcome
 
         for tag in self._compiling:
             self._compiling[tag] -= 1
@@ -112,8 +112,8 @@ class FakeSession:
         return [(tag, Outcome()) for tag in done]
 
     def measure(self, job, seed, program=None, abandon_above_us=None):
-        from tuner.evaluate import ABANDONED, Measurement
-        from tuner.timing import Stats
+        from tileops.tuner.evaluate import ABANDONED, Measurement
+        from tileops.tuner.timing import Stats
 
         us = self.latencies(job.config) if job.config is not None else 10.0
         self.in_flight_at_measure.append(len(self._compiling))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from .dispatch import reset
@@ -13,6 +15,13 @@ from .ops.mla import mla_decode
 from .ops.mxfp4 import dequantize_mxfp4, mxfp4_gemm, quantize_mxfp4
 from .target import Target, target_of
 from .version import __version__
+
+# An install maps `tileops.tuner` to the repository's top-level tuner/ (pyproject's package-dir);
+# a source checkout used without installing it (PYTHONPATH=checkout) finds it there too.
+_CHECKOUT = Path(__file__).resolve().parents[1]
+if importlib.util.find_spec(f"{__name__}.tuner") is None \
+        and (_CHECKOUT / "tuner" / "__init__.py").is_file():
+    __path__.append(str(_CHECKOUT))
 
 __all__ = ["SPECS", "Target", "__version__", "dequantize_mxfp4", "flash_attention", "gemm",
            "get_spec", "mla_decode", "mxfp4_gemm", "quantize_mxfp4", "reset", "target_of", "tune"]
@@ -27,11 +36,12 @@ def tune(op: str, shapes: str | Sequence[str], *, device: str = "auto", trials: 
     `tileops.tune("gemm", ["1x4096x4096", "16x4096x4096"], device="cpu", dtype="float32")`.
     Other options are the command's long options with underscores (`timeout=60`,
     `sampler="random"`, `space='{"block_M": [16]}'`). Returns the tuner's `Outcome`: `.results`
-    (one `tuner.sweep.Result` per problem, `.decision` holding what was recorded), `.checks` (the
-    dispatch checks), `.unrecorded` and `.code`, the command's exit code. A mistake raises
-    `tuner.errors.UsageError`. Later calls in this process dispatch the new records.
+    (one `tileops.tuner.sweep.Result` per problem, `.decision` holding what was recorded),
+    `.checks` (the dispatch checks), `.unrecorded` and `.code`, the command's exit code. A
+    mistake raises `tileops.tuner.errors.UsageError`. Later calls in this process dispatch the
+    new records.
     """
-    from tuner.cli import tune_python  # the tuner (optuna, child processes) only when asked
+    from .tuner.cli import tune_python  # the tuner (optuna, child processes) only when asked
 
     return tune_python(op, shapes, device=device, trials=trials, dtype=dtype, db=db,
                        quiet=quiet, **options)

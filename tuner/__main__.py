@@ -1,4 +1,4 @@
-"""`python -m tuner ...` is the `tileops` command."""
+"""`python -m tileops.tuner ...` is the `tileops` command."""
 
 from .cli import tileops_main
 

@@ -39,7 +39,7 @@ from .dbcli import add_db_arguments, db_command
 from .errors import UsageError
 from .tunecli import Outcome, add_tune_arguments, run_tune, tune
 
-log = logging.getLogger("tuner")
+log = logging.getLogger("tileops.tuner")
 
 
 # ---- ops ----------------------------------------------------------------------------------------

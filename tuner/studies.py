@@ -42,7 +42,7 @@ from . import lifecycle
 from .errors import UsageError
 from .evaluate import ABANDONED
 
-log = logging.getLogger("tuner")
+log = logging.getLogger("tileops.tuner")
 
 SAMPLERS = ("tpe", "random", "grid")
 Space = dict[str, list[Any]]

@@ -32,7 +32,7 @@ from .session import Session
 from .studies import Space
 from .winners import Decision
 
-log = logging.getLogger("tuner")
+log = logging.getLogger("tileops.tuner")
 
 # Nearest tuned problems of the database whose winners seed a new study.
 WARM_START_NEIGHBOURS = 2

@@ -33,7 +33,7 @@ from .progress import Progress, table
 from .search import ABANDON
 from .session import compile_all
 
-log = logging.getLogger("tuner")
+log = logging.getLogger("tileops.tuner")
 
 
 def add_tune_arguments(p: argparse.ArgumentParser) -> None:

@@ -42,7 +42,7 @@ from .search import Task
 from .session import Session
 from .studies import Ledger
 
-log = logging.getLogger("tuner")
+log = logging.getLogger("tileops.tuner")
 
 NOISE_FLOOR = 0.01
 NOISE_CAP = 0.10

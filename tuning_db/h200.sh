@@ -77,10 +77,10 @@ run() {  # run ACTION OP SLICE
   # shellcheck disable=SC2046  # $(problems ...): one argument per word
   case $1 in
     compile)  # every point of the space (the grid), whatever the tuning sampler
-      ${exec:-} python3 -m tuner tune "${op_args[@]}" $(problems "$2") --dtype "$dtype" --device "$H200" \
+      ${exec:-} python3 -m tileops.tuner tune "${op_args[@]}" $(problems "$2") --dtype "$dtype" --device "$H200" \
         "${space_args[@]}" --sampler grid --dry-run --compile --jobs "$JOBS" > /dev/null ;;
     tune)
-      ${exec:-} python3 -m tuner tune "${op_args[@]}" $(problems "$2") --dtype "$dtype" --device cuda \
+      ${exec:-} python3 -m tileops.tuner tune "${op_args[@]}" $(problems "$2") --dtype "$dtype" --device cuda \
         "${space_args[@]}" --sampler "$sampler" --trials "$trials" "${extra[@]}" --db "$DB" \
         --workers "$WORKERS" --jobs "$JOBS" --report "$REPORTS/$2-$3-$dtype.jsonl" ;;
   esac
@@ -92,7 +92,7 @@ case "${1:-}" in
     for s in $SLICES; do run tune "${s%%:*}" "${s##*:}"; done
     for s in gemm:decode gemm:m64 gemm:prefill; do DTYPE=float16 run tune gemm "${s##*:}"; done ;;
   export)
-    python3 -m tuner db export tuning_db/h200.sqlite --db "$DB" --force
-    python3 -m tuner db verify --db tuning_db/h200.sqlite ;;
+    python3 -m tileops.tuner db export tuning_db/h200.sqlite --db "$DB" --force
+    python3 -m tileops.tuner db verify --db tuning_db/h200.sqlite ;;
   *) usage ;;
 esac
