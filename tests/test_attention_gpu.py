@@ -51,13 +51,21 @@ def test_attention_cuda(B, Sq, Skv, Hq, Hkv, D, causal, dtype):
     check(out, lse, ATTENTION.reference((q, k, v, causal)))
 
 
-@pytest.mark.parametrize("schedule", [{}, {"pingpong": 1}, {"overlap": 1}],
-                         ids=["default", "pingpong", "overlap"])
-def test_every_element_written_cuda(schedule):
+SCHEDULES = pytest.mark.parametrize("schedule", [{}, {"pingpong": 1}, {"overlap": 1}],
+                                     ids=["default", "pingpong", "overlap"])
+
+
+def compiled(problem, schedule):
+    """The default configuration's kernel with a schedule's knobs set."""
     target = target_of(CUDA)
-    problem = ATTENTION.Problem(2, 1024, 1024, 32, 8, 128, True, "bfloat16")
     config = {**ATTENTION.default_config(problem, target), **schedule}
-    kernel = dispatch.compile_kernel(ATTENTION, problem, config, target)
+    return dispatch.compile_kernel(ATTENTION, problem, config, target)
+
+
+@SCHEDULES
+def test_every_element_written_cuda(schedule):
+    problem = ATTENTION.Problem(2, 1024, 1024, 32, 8, 128, True, "bfloat16")
+    kernel = compiled(problem, schedule)
     for Sq, Skv in [(1000, 999), (129, 1000), (1000, 129)]:
         inputs = ATTENTION.make_inputs(problem, CUDA, seed=Sq, sizes={"seqlen_q": Sq,
                                                                       "seqlen_kv": Skv})
@@ -98,15 +106,12 @@ def test_dynamic_lengths_do_not_recompile_cuda():
     assert len(dispatch._kernels) == before
 
 
-@pytest.mark.parametrize("schedule", [{}, {"pingpong": 1}, {"overlap": 1}],
-                         ids=["default", "pingpong", "overlap"])
+@SCHEDULES
 def test_nan_propagates_and_rows_without_keys_get_zeros_cuda(schedule):
     # One NaN in k poisons exactly the outputs that see it (as SDPA and the float64 reference);
     # queries that see no key (seqlen_q > seqlen_kv, causal) still get zeros and -inf.
-    target = target_of(CUDA)
     problem = ATTENTION.Problem(1, 1024, 512, 8, 2, 128, True, "bfloat16")
-    config = {**ATTENTION.default_config(problem, target), **schedule}
-    kernel = dispatch.compile_kernel(ATTENTION, problem, config, target)
+    kernel = compiled(problem, schedule)
     q, k, v, _ = ATTENTION.make_inputs(problem, CUDA, seed=4, sizes={"seqlen_q": 700,
                                                                      "seqlen_kv": 300})
     k[0, 5, 1, 7] = float("nan")  # key 5 of KV head 1 (query heads 4-7)
