@@ -123,3 +123,21 @@ def test_every_operator_on_gfx942_varies_k_pack():
 def test_k_pack_changes_the_mfma_program(op):
     one, two = source(op, "gfx942", k_pack=1), source(op, "gfx942", k_pack=2)
     assert "mfma" in two.lower() and one != two
+
+
+@pytest.mark.parametrize("op", SPECS)
+def test_kernel_key_drops_exactly_the_dynamic_fields(op):
+    """Every bucketed field is dynamic in the kernel; what is left keys compiled kernels."""
+    spec = SPECS[op]
+    dynamic = spec.bucketed if spec.dynamic is None else spec.dynamic
+    assert set(spec.bucketed) <= set(dynamic) <= set(spec.Problem._fields)
+    p = spec.parse_problem(*PROBLEMS[op])
+    assert spec.kernel_key(p) == tuple(getattr(p, f) for f in spec.Problem._fields
+                                       if f not in dynamic)
+
+
+def test_attention_and_mla_kernels_serve_every_batch_and_length():
+    attention, mla = SPECS["attention"], SPECS["mla_decode"]
+    assert attention.kernel_key(attention.Problem(8, 4096, 2048, 32, 8, 128, True, "bfloat16")) \
+        == (32, 8, 128, True, "bfloat16")
+    assert mla.kernel_key(mla.Problem(64, 4096, 128, 2, "bfloat16")) == (128, 2, "bfloat16")

@@ -75,7 +75,8 @@ class OpSpec(abc.ABC):
 
     Subclasses set the class attributes and implement the abstract methods; `Problem` is a
     NamedTuple whose fields are the problem key. Fields named in `bucketed` hold bucket values
-    (the largest size of the bucket) and the compiled kernel is dynamic in them.
+    (the largest size of the bucket); the compiled kernel is dynamic in the fields of `dynamic`
+    (default: the bucketed ones), which its `kernel_key` leaves out.
     """
 
     name: ClassVar[str]
@@ -85,6 +86,7 @@ class OpSpec(abc.ABC):
     dtypes: ClassVar[dict[str, tuple[str, ...]]]  # input dtypes by device type ("cuda", "cpu")
     Problem: ClassVar[type]
     bucketed: ClassVar[tuple[str, ...]] = ()
+    dynamic: ClassVar[tuple[str, ...] | None] = None  # None: the `bucketed` fields
     categorical: ClassVar[tuple[str, ...]] = ()  # problem fields that must match exactly
     # A problem with no record of its own borrows the configuration of the nearest recorded one
     # only within this `distance` (1.0: a factor of two in one size); further away the tiles
@@ -206,9 +208,11 @@ class OpSpec(abc.ABC):
         """The TileLang program (a PrimFunc) for a problem and configuration."""
 
     def kernel_key(self, problem: tuple) -> tuple:
-        """The part of a problem a compiled kernel is specialised to (bucketed fields dropped)."""
+        """The part of a problem a compiled kernel is specialised to (its `dynamic` fields
+        dropped)."""
+        dynamic = self.bucketed if self.dynamic is None else self.dynamic
         return tuple(v for f, v in zip(self.Problem._fields, problem, strict=True)
-                     if f not in self.bucketed)
+                     if f not in dynamic)
 
     def adapt(self, kernel: Any, target: Target) -> Callable:
         """Wrap a freshly compiled kernel for a target whose calling convention needs it."""

@@ -85,6 +85,7 @@ class AttentionSpec(OpSpec):
     dtypes = SUPPORTED
     Problem = AttentionProblem
     bucketed = ("seqlen_q", "seqlen_kv")
+    dynamic = ("batch", "seqlen_q", "seqlen_kv")
     categorical = ("heads_q", "heads_kv", "head_dim", "causal", "dtype")
     baseline_name = "torch scaled_dot_product_attention (cuDNN on CUDA)"
     kernel_module = kernels.__name__
@@ -230,9 +231,6 @@ class AttentionSpec(OpSpec):
         if target.kind == "cpu":
             return kernels.cpu_program(Hq, Hkv, D, causal, dtype, **config)
         return kernels.gpu_program(Hq, Hkv, D, causal, dtype, **config)
-
-    def kernel_key(self, problem: AttentionProblem) -> tuple:
-        return problem[3:]  # batch and both lengths are dynamic in the kernel
 
     def adapt(self, kernel: Any, target: Target) -> Any:
         return BitsAdapter(kernel) if target.kind == "cpu" else kernel

@@ -65,6 +65,7 @@ class MlaDecodeSpec(OpSpec):
     dtypes = SUPPORTED
     Problem = MlaProblem
     bucketed = ("seqlen",)
+    dynamic = ("batch", "seqlen")
     categorical = ("h_q", "s_q", "dtype")
     baseline_name = "torch (gather pages, matmul, softmax)"
     unsupported = {"hip": "TileLang's layout inference rejects the softmax row vectors against "
@@ -155,9 +156,6 @@ class MlaDecodeSpec(OpSpec):
         if target.kind == "cpu":
             return kernels.cpu_program(h_q, s_q, dtype, **config)
         return kernels.gpu_program(h_q, s_q, dtype, **config)
-
-    def kernel_key(self, problem: MlaProblem) -> tuple:
-        return (problem.h_q, problem.s_q, problem.dtype)  # batch and lengths are dynamic
 
     def adapt(self, kernel: Any, target: Target) -> Any:
         return _MlaKernel(kernel, cpu=target.kind == "cpu")
