@@ -8,8 +8,9 @@ reference and the baseline, and the FLOP/byte model for roofline figures.
 
 How each target kind's kernels are made is declared, not branched on: a spec's `backends` holds
 one `Backend` record per kind it serves (its tile program, calling convention, constraint check
-and default). `OpSpec.build`, `adapt`, `check_config` and `default_config` read them, so a new
-target is a new record rather than a branch in each method.
+and problem-dependent default), and a constant default sits beside the kind's space in
+`configs/<op>.toml` (e.g. `[hip.default]`). `OpSpec.build`, `adapt`, `check_config` and
+`default_config` read them, so a new target is a new record rather than a branch in each method.
 """
 
 from __future__ import annotations
@@ -91,8 +92,9 @@ class Backend:
     `program` builds the tile program: `program(*spec.program_args(problem), **config,
     **derived(problem, config, target))`. `adapt` wraps the compiled kernel into what the spec's
     `launch` calls. `check` says why a configuration cannot work on the target (None: no
-    constraint beyond the space). `default` is the kind's default configuration for a
-    problem, given the target's space.
+    constraint beyond the space). `default` is the kind's problem-dependent default, given the
+    target's space; a kind whose default is constant declares it in `configs/<op>.toml` instead
+    (`[<kind>.default]`), and exactly one of the two exists.
     """
 
     program: Callable[..., Any]
@@ -180,8 +182,8 @@ class OpSpec(abc.ABC):
         return None
 
     def space(self, target: Target) -> Space:
-        """The search space for a target kind, read from `configs/<op>.toml`. A ValueError says
-        why the target has none."""
+        """The search space for a target kind, read from `configs/<op>.toml` (its `default`
+        table, if any, is not part of it). A ValueError says why the target has none."""
         for key, reason in self.unsupported.items():
             kind, _, arch = key.partition(":")
             if kind == target.kind and target.arch.startswith(arch):
@@ -218,8 +220,18 @@ class OpSpec(abc.ABC):
                 yield config
 
     def default_config(self, problem: tuple, target: Target) -> Config:
-        """A configuration that is valid for any problem on the target: the backend's default."""
-        return self.backend(target).default(problem, target, self.space(target))
+        """A configuration that is valid for any problem on the target: the backend's heuristic
+        where the default depends on the problem, else the constant `[<kind>.default]` table of
+        `configs/<op>.toml`."""
+        heuristic = self.backend(target).default
+        if heuristic is not None:
+            return heuristic(problem, target, self.space(target))
+        fixed = _defaults(self.name).get(target.kind)
+        if fixed is None:
+            raise ValueError(f"{self.name} has no default for {target.kind} targets: neither "
+                             f"its {target.kind} backend nor configs/{self.name}.toml "
+                             f"([{target.kind}.default]) declares one")
+        return dict(fixed)
 
     def check_config(self, problem: tuple, config: Config, target: Target) -> str | None:
         """Why a configuration cannot work for this problem and target (None: it can), as the
@@ -358,10 +370,26 @@ def _field_types(problem: type) -> dict[str, type]:
     return typing.get_type_hints(problem)
 
 
+DEFAULT = "default"  # the table of a kind's constant default, beside its space's lists
+
+
 @functools.cache
-def _spaces(op: str) -> dict[str, dict[str, Any]]:
+def _tables(op: str) -> dict[str, dict[str, Any]]:
     with open(data_dir("configs") / f"{op}.toml", "rb") as f:
         return tomllib.load(f)
+
+
+@functools.cache
+def _spaces(op: str) -> dict[str, dict[str, Any]]:
+    """The search spaces of configs/<op>.toml by kind: each table's lists, without its default."""
+    return {kind: {k: v for k, v in table.items() if k != DEFAULT}
+            for kind, table in _tables(op).items()}
+
+
+@functools.cache
+def _defaults(op: str) -> dict[str, Config]:
+    """The constant defaults of configs/<op>.toml, by kind (`[<kind>.default]`)."""
+    return {kind: table[DEFAULT] for kind, table in _tables(op).items() if DEFAULT in table}
 
 
 @functools.cache

@@ -75,14 +75,6 @@ class RepeatedKV:
         return self._kv
 
 
-def _cpu_default(problem: AttentionProblem, target: Target, space: Space) -> Config:
-    return {"block_M": 16, "block_N": 32}
-
-
-def _hip_default(problem: AttentionProblem, target: Target, space: Space) -> Config:
-    return {"block_M": 64, "block_N": 64, "num_stages": 1, "threads": 256, "k_pack": 1}
-
-
 def _cuda_default(problem: AttentionProblem, target: Target, space: Space) -> Config:
     """Two K/V stages at head_dim 128 take 192 KiB: one stage below sm_90; 64-key blocks at 256."""
     if problem.head_dim <= 128:
@@ -130,10 +122,11 @@ def _check_cuda(problem: AttentionProblem, config: Config, target: Target) -> st
     return None
 
 
-# The kernels of each target kind; there is no Metal kernel (`AttentionSpec.unsupported`).
-BACKENDS = {"cpu": Backend(kernels.cpu_program, BitsAdapter, default=_cpu_default),
+# The kernels of each target kind; there is no Metal kernel (`AttentionSpec.unsupported`). The
+# cpu and hip defaults are constant: configs/attention.toml holds them beside their spaces.
+BACKENDS = {"cpu": Backend(kernels.cpu_program, BitsAdapter),
             "cuda": Backend(kernels.gpu_program, check=_check_cuda, default=_cuda_default),
-            "hip": Backend(kernels.gpu_program, check=_check_gpu, default=_hip_default)}
+            "hip": Backend(kernels.gpu_program, check=_check_gpu)}
 
 
 class AttentionSpec(OpSpec):

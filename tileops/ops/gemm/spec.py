@@ -59,18 +59,6 @@ def _cuda_default(problem: GemmProblem, target: Target, space: Space) -> Config:
             "swizzle": 8, "split_k": 1, "swap_ab": 0}
 
 
-def _hip_default(problem: GemmProblem, target: Target, space: Space) -> Config:
-    """4 wavefronts, 32 KiB of LDS for two stages."""
-    return {"block_M": 128, "block_N": 128, "block_K": 32, "num_stages": 2, "threads": 256,
-            "swizzle": 0, "k_pack": 1}
-
-
-def _metal_default(problem: GemmProblem, target: Target, space: Space) -> Config:
-    """Within 32 KiB of threadgroup memory."""
-    return {"block_M": 64, "block_N": 64, "block_K": 32, "num_stages": 0, "threads": 128,
-            "swizzle": 0}
-
-
 def _check_gpu(problem: GemmProblem, config: Config, target: Target) -> str | None:
     """Shared-memory budget, accumulator registers, wgmma tile shapes and the decode knobs."""
     bm, bn, bk = config["block_M"], config["block_N"], config["block_K"]
@@ -93,12 +81,11 @@ def _check_gpu(problem: GemmProblem, config: Config, target: Target) -> str | No
     return None
 
 
-# The kernels of each target kind.
+# The kernels of each target kind. The hip and metal defaults are constant: configs/gemm.toml
+# holds them beside their spaces.
 _GPU = Backend(kernels.gpu_program, gpu_adapter, check=_check_gpu)
 BACKENDS = {"cpu": Backend(kernels.cpu_program, BitsAdapter, default=_cpu_default),
-            "cuda": replace(_GPU, default=_cuda_default),
-            "hip": replace(_GPU, default=_hip_default),
-            "metal": replace(_GPU, default=_metal_default)}
+            "cuda": replace(_GPU, default=_cuda_default), "hip": _GPU, "metal": _GPU}
 
 
 class GemmSpec(OpSpec):

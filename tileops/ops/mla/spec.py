@@ -79,10 +79,6 @@ class _MlaKernel:
                     out, lse)
 
 
-def _cpu_default(problem: MlaProblem, target: Target, space: Space) -> Config:
-    return {"block_H": 16, "block_N": 32, "num_splits": 1}
-
-
 def _cuda_default(problem: MlaProblem, target: Target, space: Space) -> Config:
     """64 query rows per CTA; enough KV splits to fill the machine (`default_splits`)."""
     rows = problem.s_q * problem.h_q
@@ -108,8 +104,8 @@ def _check_cuda(problem: MlaProblem, config: Config, target: Target) -> str | No
 
 
 # The kernels of each target kind (`MlaDecodeSpec.unsupported` says why hip and sm_8x have none).
-BACKENDS = {"cpu": Backend(kernels.cpu_program, functools.partial(_MlaKernel, cpu=True),
-                           default=_cpu_default),
+# The cpu default is constant: configs/mla_decode.toml holds it beside its space.
+BACKENDS = {"cpu": Backend(kernels.cpu_program, functools.partial(_MlaKernel, cpu=True)),
             "cuda": Backend(kernels.gpu_program, functools.partial(_MlaKernel, cpu=False),
                             check=_check_cuda, default=_cuda_default)}
 

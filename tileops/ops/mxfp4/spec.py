@@ -69,12 +69,6 @@ def _hip_default(problem: Mxfp4Problem, target: Target, space: Space) -> Config:
             "num_stages": 2, "threads": 256, "dequant": "bits", "k_pack": 1}
 
 
-def _metal_default(problem: Mxfp4Problem, target: Target, space: Space) -> Config:
-    """Within 32 KiB of threadgroup memory."""
-    return {"block_M": 32, "block_N": 32, "block_K": 32, "num_stages": 0, "threads": 128,
-            "dequant": "bits"}
-
-
 def _cuda_default(problem: Mxfp4Problem, target: Target, space: Space) -> Config:
     """By M: decode tiles with the operands swapped and split K, mid-size fused tiles, then the
     weight decoded once ("global") for a plain GEMM."""
@@ -144,12 +138,12 @@ def _scales_once(problem: Mxfp4Problem, config: Config, target: Target) -> Confi
     return {"scales_once": config["dequant"] != "global" and _fused_smem(problem, config, target)[1]}
 
 
-# The kernels of each target kind.
+# The kernels of each target kind. The metal default is constant: configs/mxfp4_gemm.toml holds it
+# beside its space.
 _GPU = Backend(kernels.gpu_program, gpu_adapter, check=_check_gpu, derived=_scales_once)
 BACKENDS = {"cpu": Backend(kernels.cpu_program, BitsAdapter, default=_cpu_default),
             "cuda": replace(_GPU, check=_check_cuda, default=_cuda_default),
-            "hip": replace(_GPU, default=_hip_default),
-            "metal": replace(_GPU, default=_metal_default)}
+            "hip": replace(_GPU, default=_hip_default), "metal": _GPU}
 
 
 class Mxfp4GemmSpec(OpSpec):
