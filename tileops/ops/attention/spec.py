@@ -76,7 +76,8 @@ class RepeatedKV:
 
 
 def _cuda_default(problem: AttentionProblem, target: Target, space: Space) -> Config:
-    """Two K/V stages at head_dim 128 take 192 KiB: one stage below sm_90; 64-key blocks at 256."""
+    """Two K/V stages at head_dim 128 take 192 KiB: one stage below sm_90; at head_dim 256,
+    64-key blocks in one stage."""
     if problem.head_dim <= 128:
         stages = 2 if smem_limit(target.arch) >= 192 * 1024 else 1
         return {"block_M": 128, "block_N": 128, "num_stages": stages, "threads": 256,
