@@ -1,10 +1,16 @@
-"""Every operator's heuristic default is a point of its own search space and passes its own
-constraint checks, for every problem of every workload suite and every target kind it serves."""
+"""Every operator's default is a point of its own search space and passes its own constraint
+checks, for every problem of every workload suite and every target kind it serves. A constant
+default is the `[<kind>.default]` table of configs/<op>.toml, beside the space it belongs to (and
+not part of it); a problem-dependent one is the kind's `Backend.default`; never both."""
 
 from __future__ import annotations
 
+import tomllib
+
 import pytest
 
+from tileops.ops import SPECS
+from tileops.resources import data_dir
 from tileops.target import Target
 from tileops.tuner import suites
 
@@ -28,3 +34,37 @@ def test_defaults_are_valid_points_of_the_space(suite):
             assert all(config[k] in space[k] for k in space), f"{where}: {config}"
             assert spec.check_config(problem, config, target) is None, \
                 f"{where}: {config}: {spec.check_config(problem, config, target)}"
+
+
+def _toml(op: str) -> dict:
+    with open(data_dir("configs") / f"{op}.toml", "rb") as f:
+        return tomllib.load(f)
+
+
+# The kinds whose default is constant, so configs/<op>.toml holds it. MXFP4's hip default and
+# every cuda default depend on the problem (M, head_dim, batch), as GEMM's cpu default does.
+CONSTANT = {"gemm": {"hip", "metal"}, "mxfp4_gemm": {"metal"}, "attention": {"hip", "cpu"},
+            "mla_decode": {"cpu"}}
+_SUITES = {"gemm": "gemm_llama", "mxfp4_gemm": "mxfp4_llama", "attention": "attention",
+           "mla_decode": "mla_decode"}
+
+
+@pytest.mark.parametrize("op", SPECS)
+def test_constant_defaults_come_from_the_configs_and_are_points_of_their_spaces(op):
+    spec, tables = SPECS[op], _toml(op)
+    assert set(CONSTANT) == set(SPECS)
+    for kind, backend in spec.backends.items():
+        in_configs = "default" in tables[kind]
+        assert in_configs == (kind in CONSTANT[op]), kind
+        assert in_configs != (backend.default is not None), f"{kind}: one default, in one place"
+        target = next(t for t in TARGETS if t.kind == kind)
+        space = spec.space(target)
+        assert "default" not in space, "the default is not a search parameter"
+        assert space == {k: v for k, v in tables[kind].items() if k != "default"}
+        if in_configs:
+            fixed = tables[kind]["default"]
+            assert set(fixed) == set(space) and all(fixed[k] in space[k] for k in space), kind
+            for problem in suites.load(_SUITES[op]).problems[:8]:
+                assert spec.default_config(problem, target) == fixed
+                assert spec.check_config(problem, fixed, target) is None
+

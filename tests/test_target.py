@@ -44,6 +44,13 @@ def test_tilelang_target_spelling():
     assert Target("metal", "apple", "Apple GPU").tilelang() == "metal"
 
 
+def test_is_hopper_is_sm_90_cuda_only():
+    hopper = [Target(kind, arch, "x").is_hopper for kind, arch in
+              [("cuda", "sm_90a"), ("cuda", "sm_90"), ("cuda", "sm_80"), ("cuda", "sm_100a"),
+               ("hip", "gfx942"), ("metal", "apple"), ("cpu", "x86_64")]]
+    assert hopper == [True, True, False, False, False, False, False]
+
+
 def test_unknown_device_type_is_refused():
     with pytest.raises(ValueError, match="not supported"):
         normalise(DeviceFacts("xla", 0))

@@ -8,11 +8,16 @@ For each (operator, target) `MATRIX` says what happens, and the tests check exac
   TileLang fails to lower the program: the spec's `unsupported` says why), and a call on that
   target raises `NotImplementedError` with that reason before anything is compiled.
 
+A spec declares how each kind's kernels are made in one table, `OpSpec.backends` (one `Backend`
+per kind, beside one space per kind in configs/<op>.toml); the tests below check that `build` and
+`adapt` take the table's entry and that a kind with none is refused like an unsupported target.
+
 The README's Platforms table is this matrix.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -21,7 +26,8 @@ import torch
 
 from tileops.dispatch import DISPATCHER, lower
 from tileops.ops import SPECS
-from tileops.target import Target
+from tileops.spec import _spaces
+from tileops.target import KINDS, Target
 
 TARGETS = {
     "sm_90a": Target("cuda", "sm_90a", "H200", 132),
@@ -123,3 +129,75 @@ def test_every_operator_on_gfx942_varies_k_pack():
 def test_k_pack_changes_the_mfma_program(op):
     one, two = source(op, "gfx942", k_pack=1), source(op, "gfx942", k_pack=2)
     assert "mfma" in two.lower() and one != two
+
+
+# ---- the per-kind table ------------------------------------------------------------------------
+BY_KIND = {"cuda": TARGETS["sm_90a"], "hip": TARGETS["gfx942"], "metal": TARGETS["metal"],
+           "cpu": Target("cpu", "x86_64", "CPU", 2), "ascend": Target("ascend", "910B", "NPU")}
+
+
+@pytest.mark.parametrize("op", SPECS)
+def test_each_kind_with_a_space_has_a_backend_and_no_other(op):
+    spec = SPECS[op]
+    assert set(spec.backends) == set(_spaces(op)), "configs/<op>.toml and the spec's backends"
+    assert set(KINDS) == set(BY_KIND)
+    served = {kind for kind in KINDS if spec.unsupported_reason(BY_KIND[kind]) is None}
+    assert served <= set(spec.backends)
+
+
+@pytest.mark.parametrize(("op", "kind"), [(op, kind) for op, spec in SPECS.items()
+                                          for kind in spec.backends
+                                          if spec.unsupported_reason(BY_KIND[kind]) is None])
+def test_build_and_adapt_take_the_kinds_backend(op, kind, monkeypatch):
+    """`build` calls the table's program with the problem's program arguments, the configuration
+    and what the backend derives; `adapt` wraps with the table's adapter."""
+    spec, target = SPECS[op], BY_KIND[kind]
+    p = spec.parse_problem(*PROBLEMS[op])
+    config = spec.default_config(p, target)
+    calls = []
+    backend = dataclasses.replace(
+        spec.backends[kind], program=lambda *a, **kw: calls.append((a, kw)) or "program",
+        adapt=lambda kernel: ("adapted", kernel))
+    monkeypatch.setattr(spec, "backends", {**spec.backends, kind: backend})
+    assert spec.build(p, config, target) == "program"
+    (args, kwargs), = calls
+    assert args == spec.program_args(p)
+    derived = backend.derived(p, config, target) if backend.derived else {}
+    assert kwargs == {**config, **derived}
+    assert spec.adapt("kernel", target) == ("adapted", "kernel")
+
+
+def test_a_kind_without_a_backend_is_refused_before_compiling(monkeypatch):
+    from tileops import dispatch
+
+    spec, target = SPECS["gemm"], TARGETS["metal"]
+    monkeypatch.setattr(spec, "backends", {k: v for k, v in spec.backends.items() if k != "metal"})
+    reason = spec.unsupported_reason(target)
+    assert reason == "gemm has no kernel for metal targets yet (its spec declares no metal backend)"
+    p = problem("gemm")
+    for call in (lambda: spec.build(p, {}, target), lambda: spec.default_config(p, target),
+                 lambda: spec.check_config(p, {}, target), lambda: spec.adapt(None, target)):
+        with pytest.raises(ValueError, match=re.escape(reason)):
+            call()
+    monkeypatch.setattr(dispatch._target, "target_of", lambda device: target)
+    monkeypatch.setattr(dispatch, "compile_kernel", _no_compile)
+    with pytest.raises(NotImplementedError, match=re.escape(reason)):
+        DISPATCHER(spec, *spec.make_inputs(p, torch.device("cpu")))
+
+
+@pytest.mark.parametrize("op", SPECS)
+def test_kernel_key_drops_exactly_the_dynamic_fields(op):
+    """Every bucketed field is dynamic in the kernel; what is left keys compiled kernels."""
+    spec = SPECS[op]
+    dynamic = spec.bucketed if spec.dynamic is None else spec.dynamic
+    assert set(spec.bucketed) <= set(dynamic) <= set(spec.Problem._fields)
+    p = spec.parse_problem(*PROBLEMS[op])
+    assert spec.kernel_key(p) == tuple(getattr(p, f) for f in spec.Problem._fields
+                                       if f not in dynamic)
+
+
+def test_attention_and_mla_kernels_serve_every_batch_and_length():
+    attention, mla = SPECS["attention"], SPECS["mla_decode"]
+    assert attention.kernel_key(attention.Problem(8, 4096, 2048, 32, 8, 128, True, "bfloat16")) \
+        == (32, 8, 128, True, "bfloat16")
+    assert mla.kernel_key(mla.Problem(64, 4096, 128, 2, "bfloat16")) == (128, 2, "bfloat16")

@@ -3,8 +3,14 @@
 The dispatcher, the tuner, the tests and the benchmarks take an `OpSpec` and never name an operator.
 A spec says what a problem is (the key tuning records are stored under, with run-time-varying sizes
 bucketed), where its configuration space lives (`configs/<op>.toml`, one table per target kind),
-the heuristic default for any problem, how to build its kernels, how to make inputs for a problem,
-the reference and the baseline, and the FLOP/byte model for roofline figures.
+the default for any problem, how to build its kernels, how to make inputs for a problem, the
+reference and the baseline, and the FLOP/byte model for roofline figures.
+
+How each target kind's kernels are made is declared, not branched on: a spec's `backends` holds
+one `Backend` record per kind it serves (its tile program, calling convention, constraint check
+and problem-dependent default), and a constant default sits beside the kind's space in
+`configs/<op>.toml` (e.g. `[hip.default]`). `OpSpec.build`, `adapt`, `check_config` and
+`default_config` read them, so a new target is a new record rather than a branch in each method.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import tokenize
 import tomllib
 import typing
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 import torch
@@ -80,12 +87,40 @@ class Call(NamedTuple):
     args: tuple
 
 
+Space = dict[str, list[Any]]
+
+
+def _unchanged(kernel: Any) -> Any:
+    return kernel
+
+
+@dataclass(frozen=True)
+class Backend:
+    """How an operator's kernels are made for one target kind, as one declarative record (as
+    TileLang's backend manifests are), so that the spec's methods need no per-kind branches.
+
+    `program` builds the tile program: `program(*spec.program_args(problem), **config,
+    **derived(problem, config, target))`. `adapt` wraps the compiled kernel into what the spec's
+    `launch` calls. `check` says why a configuration cannot work on the target (None: no
+    constraint beyond the space). `default` is the kind's problem-dependent default, given the
+    target's space; a kind whose default is constant declares it in `configs/<op>.toml` instead
+    (`[<kind>.default]`), and exactly one of the two exists.
+    """
+
+    program: Callable[..., Any]
+    adapt: Callable[[Any], Callable] = _unchanged
+    check: Callable[[tuple, Config, Target], str | None] | None = None
+    default: Callable[[tuple, Target, Space], Config] | None = None
+    derived: Callable[[tuple, Config, Target], Config] | None = None
+
+
 class OpSpec(abc.ABC):
     """Everything the library knows about one operator.
 
     Subclasses set the class attributes and implement the abstract methods; `Problem` is a
     NamedTuple whose fields are the problem key. Fields named in `bucketed` hold bucket values
-    (the largest size of the bucket) and the compiled kernel is dynamic in them.
+    (the largest size of the bucket); the compiled kernel is dynamic in the fields of `dynamic`
+    (default: the bucketed ones), which its `kernel_key` leaves out.
     """
 
     name: ClassVar[str]
@@ -95,6 +130,7 @@ class OpSpec(abc.ABC):
     dtypes: ClassVar[dict[str, tuple[str, ...]]]  # input dtypes by device type ("cuda", "cpu")
     Problem: ClassVar[type]
     bucketed: ClassVar[tuple[str, ...]] = ()
+    dynamic: ClassVar[tuple[str, ...] | None] = None  # None: the `bucketed` fields
     categorical: ClassVar[tuple[str, ...]] = ()  # problem fields that must match exactly
     # A problem with no record of its own borrows the configuration of the nearest recorded one
     # only within this `distance` (1.0: a factor of two in one size); further away the tiles
@@ -103,8 +139,9 @@ class OpSpec(abc.ABC):
     baseline_name: ClassVar[str]
     # Targets with no kernel, and why: a kind ("metal") or a kind and an arch prefix ("hip:gfx11",
     # where TileLang lowers for some archs of a kind and not others). Kinds with no table in
-    # configs/<op>.toml have none either.
+    # configs/<op>.toml, or no entry in `backends`, have none either.
     unsupported: ClassVar[dict[str, str]] = {}
+    backends: ClassVar[dict[str, Backend]]  # by target kind
 
     # ---- problems -------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -154,8 +191,9 @@ class OpSpec(abc.ABC):
             return str(e)
         return None
 
-    def space(self, target: Target) -> dict[str, list[Any]]:
-        """The search space for a target kind, read from `configs/<op>.toml`."""
+    def space(self, target: Target) -> Space:
+        """The search space for a target kind, read from `configs/<op>.toml` (its `default`
+        table, if any, is not part of it). A ValueError says why the target has none."""
         for key, reason in self.unsupported.items():
             kind, _, arch = key.partition(":")
             if kind == target.kind and target.arch.startswith(arch):
@@ -165,13 +203,22 @@ class OpSpec(abc.ABC):
         if target.kind not in spaces:
             raise ValueError(f"{self.name} has no kernel for {target.kind} targets yet "
                              f"(configs/{self.name}.toml has no [{target.kind}] space)")
+        self.backend(target)
         return {k: list(v) for k, v in spaces[target.kind].items()}
+
+    def backend(self, target: Target) -> Backend:
+        """The record of how kernels are made for the target's kind (a ValueError: none)."""
+        backend = self.backends.get(target.kind)
+        if backend is None:
+            raise ValueError(f"{self.name} has no kernel for {target.kind} targets yet (its "
+                             f"spec declares no {target.kind} backend)")
+        return backend
 
     def space_hash(self, target: Target) -> str:
         return space_hash(self.space(target))
 
     def configs(self, problem: tuple, target: Target,
-                space: dict[str, list[Any]] | None = None) -> Iterator[Config]:
+                space: Space | None = None) -> Iterator[Config]:
         """Every point of the grid (of the target's space, or of `space`) that passes
         `check_config`."""
         space = self.space(target) if space is None else space
@@ -181,13 +228,25 @@ class OpSpec(abc.ABC):
             if self.check_config(problem, config, target) is None:
                 yield config
 
-    @abc.abstractmethod
     def default_config(self, problem: tuple, target: Target) -> Config:
-        """A heuristic configuration that is valid for any problem on the target."""
+        """A configuration that is valid for any problem on the target: the backend's heuristic
+        where the default depends on the problem, else the constant `[<kind>.default]` table of
+        `configs/<op>.toml`."""
+        heuristic = self.backend(target).default
+        if heuristic is not None:
+            return heuristic(problem, target, self.space(target))
+        fixed = _defaults(self.name).get(target.kind)
+        if fixed is None:
+            raise ValueError(f"{self.name} has no default for {target.kind} targets: neither "
+                             f"its {target.kind} backend nor configs/{self.name}.toml "
+                             f"([{target.kind}.default]) declares one")
+        return dict(fixed)
 
     def check_config(self, problem: tuple, config: Config, target: Target) -> str | None:
-        """Why a configuration cannot work for this problem and target (None: it can)."""
-        return None
+        """Why a configuration cannot work for this problem and target (None: it can), as the
+        target's backend checks it."""
+        check = self.backend(target).check
+        return check(problem, config, target) if check is not None else None
 
     def config_error(self, problem: tuple, config: Any, target: Target, *,
                      within_space: bool = False) -> str | None:
@@ -210,18 +269,29 @@ class OpSpec(abc.ABC):
         return f"refused by check_config: {reason}" if reason else None
 
     # ---- kernels --------------------------------------------------------------------------------
-    @abc.abstractmethod
     def build(self, problem: tuple, config: Config, target: Target) -> Any:
-        """The TileLang program (a PrimFunc) for a problem and configuration."""
+        """The TileLang program (a PrimFunc) for a problem and configuration, from the target's
+        backend."""
+        backend = self.backend(target)
+        derived = backend.derived(problem, config, target) if backend.derived else {}
+        return backend.program(*self.program_args(problem), **config, **derived)
+
+    def program_args(self, problem: tuple) -> tuple:
+        """The positional arguments of the tile programs: the kernel key, which is what a
+        compiled kernel is specialised to."""
+        return self.kernel_key(problem)
 
     def kernel_key(self, problem: tuple) -> tuple:
-        """The part of a problem a compiled kernel is specialised to (bucketed fields dropped)."""
+        """The part of a problem a compiled kernel is specialised to (its `dynamic` fields
+        dropped)."""
+        dynamic = self.bucketed if self.dynamic is None else self.dynamic
         return tuple(v for f, v in zip(self.Problem._fields, problem, strict=True)
-                     if f not in self.bucketed)
+                     if f not in dynamic)
 
     def adapt(self, kernel: Any, target: Target) -> Callable:
-        """Wrap a freshly compiled kernel for a target whose calling convention needs it."""
-        return kernel
+        """Wrap a freshly compiled kernel into what `launch` calls (the target's calling
+        convention)."""
+        return self.backend(target).adapt(kernel)
 
     @abc.abstractmethod
     def launch(self, kernel: Callable, args: tuple, out: torch.Tensor | None = None
@@ -309,10 +379,26 @@ def _field_types(problem: type) -> dict[str, type]:
     return typing.get_type_hints(problem)
 
 
+DEFAULT = "default"  # the table of a kind's constant default, beside its space's lists
+
+
 @functools.cache
-def _spaces(op: str) -> dict[str, dict[str, Any]]:
+def _tables(op: str) -> dict[str, dict[str, Any]]:
     with open(data_dir("configs") / f"{op}.toml", "rb") as f:
         return tomllib.load(f)
+
+
+@functools.cache
+def _spaces(op: str) -> dict[str, dict[str, Any]]:
+    """The search spaces of configs/<op>.toml by kind: each table's lists, without its default."""
+    return {kind: {k: v for k, v in table.items() if k != DEFAULT}
+            for kind, table in _tables(op).items()}
+
+
+@functools.cache
+def _defaults(op: str) -> dict[str, Config]:
+    """The constant defaults of configs/<op>.toml, by kind (`[<kind>.default]`)."""
+    return {kind: table[DEFAULT] for kind, table in _tables(op).items() if DEFAULT in table}
 
 
 @functools.cache

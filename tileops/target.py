@@ -55,6 +55,12 @@ class Target:
         return (self.kind, self.arch, self.device)
 
     @property
+    def is_hopper(self) -> bool:
+        """An sm_90 CUDA target, where TileLang's T.gemm issues wgmma (tiles of 64 rows per
+        warpgroup of 128 threads) and its pipelines are TMA-fed and warp-specialised."""
+        return self.kind == "cuda" and self.arch.startswith("sm_90")
+
+    @property
     def warp_size(self) -> int:
         """Threads per warp/wavefront: 64 on CDNA (gfx9xx), 32 elsewhere (RDNA is gfx10+)."""
         if self.kind == "hip" and self.arch.startswith("gfx9"):

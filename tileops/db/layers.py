@@ -6,7 +6,7 @@ Order, in the spirit of MIOpen's system + user perf-db:
    object or `{"<op>": {...}}` per operator.
 2. the user database (`TILEOPS_USER_DB`, default `~/.cache/tileops/tuning.sqlite`);
 3. the databases shipped in `tuning_db/` (opened read-only), in name order;
-4. the operator's heuristic default.
+4. the operator's default (`OpSpec.default_config`).
 
 Within the databases an exact problem match in any layer wins over the nearest tuned problem of
 the same operator and target (kind, arch, device). A database that is missing, locked, corrupt or

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ...spec import Call, Config, OpSpec, check_scale, pow2_bucket, refuse_grad
+from ...spec import Backend, Call, Config, OpSpec, Space, check_scale, pow2_bucket, refuse_grad
 from ...target import Target
 from ..host import DTYPE_NAMES, DTYPE_SIZES, DTYPES, BitsAdapter, dtype_name, smem_limit
 from . import kernels
@@ -75,6 +75,61 @@ class RepeatedKV:
         return self._kv
 
 
+def _cuda_default(problem: AttentionProblem, target: Target, space: Space) -> Config:
+    """Two K/V stages at head_dim 128 take 192 KiB: one stage below sm_90; at head_dim 256,
+    64-key blocks in one stage."""
+    if problem.head_dim <= 128:
+        stages = 2 if smem_limit(target.arch) >= 192 * 1024 else 1
+        return {"block_M": 128, "block_N": 128, "num_stages": stages, "threads": 256,
+                "overlap": 0, "pingpong": 0}
+    return {"block_M": 128, "block_N": 64, "num_stages": 1, "threads": 256, "overlap": 0,
+            "pingpong": 0}
+
+
+def _check_gpu(problem: AttentionProblem, config: Config, target: Target) -> str | None:
+    """The schedules' own rules, shared memory, accumulator registers and wgmma row blocks."""
+    bm, bn, D = config["block_M"], config["block_N"], problem.head_dim
+    threads, stages = config["threads"], config["num_stages"]
+    if config.get("overlap") and stages != 2:
+        return "overlap schedules its own two-stage pipeline (num_stages 2 only)"
+    if config.get("pingpong") and (config.get("overlap") or threads != 256
+                                   or not target.is_hopper):
+        return "pingpong alternates two wgmma consumer warpgroups (sm_90, overlap 0, 256 threads)"
+    esize = DTYPE_SIZES[problem.dtype]
+    # Q and O tiles, plus K and V tiles per pipeline stage.
+    smem = (2 * bm * D + max(stages, 1) * 2 * bn * D) * esize
+    limit = smem_limit(target.arch)
+    if smem > limit:
+        return f"shared memory {smem // 1024} KiB > {limit // 1024} KiB"
+    regs = (bm * D + bm * bn + bm * bn // 2) // threads  # O and S accumulators, P
+    if regs > 192:
+        return f"{regs} accumulator registers per thread (> 192)"
+    if target.is_hopper and bm % (64 * (threads // 128)) != 0:
+        return f"wgmma needs block_M a multiple of 64 per warpgroup ({threads // 128})"
+    return None
+
+
+def _check_cuda(problem: AttentionProblem, config: Config, target: Target) -> str | None:
+    """`_check_gpu`, and below sm_90 what mma and TileLang's software pipeline planner fail to
+    lower (checked on sm_80)."""
+    reason = _check_gpu(problem, config, target)
+    if reason or target.is_hopper:
+        return reason
+    bm, threads = config["block_M"], config["threads"]
+    if bm < 16 * (threads // 32):
+        return f"mma needs 16 query rows per warp: block_M {bm} < {threads // 32} x 16"
+    if config["num_stages"] > 1 and not config.get("overlap"):
+        return "below sm_90 the KV loop pipelines through overlap 1, not num_stages > 1"
+    return None
+
+
+# The kernels of each target kind; there is no Metal kernel (`AttentionSpec.unsupported`). The
+# cpu and hip defaults are constant: configs/attention.toml holds them beside their spaces.
+BACKENDS = {"cpu": Backend(kernels.cpu_program, BitsAdapter),
+            "cuda": Backend(kernels.gpu_program, check=_check_cuda, default=_cuda_default),
+            "hip": Backend(kernels.gpu_program, check=_check_gpu)}
+
+
 class AttentionSpec(OpSpec):
     name = "attention"
     aliases = ("flash_attention",)
@@ -85,9 +140,11 @@ class AttentionSpec(OpSpec):
     dtypes = SUPPORTED
     Problem = AttentionProblem
     bucketed = ("seqlen_q", "seqlen_kv")
+    dynamic = ("batch", "seqlen_q", "seqlen_kv")
     categorical = ("heads_q", "heads_kv", "head_dim", "causal", "dtype")
     baseline_name = "torch scaled_dot_product_attention (cuDNN on CUDA)"
     kernel_module = kernels.__name__
+    backends = BACKENDS
     unsupported = {"metal": _NO_METAL,
                    "hip:gfx11": "TileLang's layout inference for RDNA's WMMA fragments conflicts "
                                 "between the scores and the probabilities (S and P) in the "
@@ -179,63 +236,6 @@ class AttentionSpec(OpSpec):
                              f"multiple of heads_kv and head_dim one of {HEAD_DIMS}")
         return AttentionProblem(B, pow2_bucket(Sq), pow2_bucket(Skv), Hq, Hkv, D,
                                 match.group(2) is not None, dtype)
-
-    # ---- configuration --------------------------------------------------------------------------
-    def default_config(self, problem: AttentionProblem, target: Target) -> Config:
-        if target.kind == "cpu":
-            return {"block_M": 16, "block_N": 32}
-        D = problem.head_dim
-        if target.kind == "hip":
-            return {"block_M": 64, "block_N": 64, "num_stages": 1, "threads": 256, "k_pack": 1}
-        if D <= 128:  # two K/V stages at head_dim 128 take 192 KiB: one stage below sm_90
-            stages = 2 if smem_limit(target.arch) >= 192 * 1024 else 1
-            return {"block_M": 128, "block_N": 128, "num_stages": stages, "threads": 256,
-                    "overlap": 0, "pingpong": 0}
-        return {"block_M": 128, "block_N": 64, "num_stages": 1, "threads": 256, "overlap": 0,
-                "pingpong": 0}
-
-    def check_config(self, problem: AttentionProblem, config: Config,
-                     target: Target) -> str | None:
-        if target.kind == "cpu":
-            return None
-        bm, bn, D = config["block_M"], config["block_N"], problem.head_dim
-        threads, stages = config["threads"], config["num_stages"]
-        if config.get("overlap") and stages != 2:
-            return "overlap schedules its own two-stage pipeline (num_stages 2 only)"
-        if config.get("pingpong") and (config.get("overlap") or threads != 256
-                                       or not target.arch.startswith("sm_90")):
-            return "pingpong alternates two wgmma consumer warpgroups (sm_90, overlap 0, 256 threads)"
-        esize = DTYPE_SIZES[problem.dtype]
-        # Q and O tiles, plus K and V tiles per pipeline stage.
-        smem = (2 * bm * D + max(stages, 1) * 2 * bn * D) * esize
-        limit = smem_limit(target.arch)
-        if smem > limit:
-            return f"shared memory {smem // 1024} KiB > {limit // 1024} KiB"
-        regs = (bm * D + bm * bn + bm * bn // 2) // threads  # O and S accumulators, P
-        if regs > 192:
-            return f"{regs} accumulator registers per thread (> 192)"
-        if target.arch.startswith("sm_90") and bm % (64 * (threads // 128)) != 0:
-            return f"wgmma needs block_M a multiple of 64 per warpgroup ({threads // 128})"
-        if target.kind == "cuda" and not target.arch.startswith("sm_90"):  # mma, TileLang's
-            # software pipeline planner: both fail to lower these (checked on sm_80)
-            if bm < 16 * (threads // 32):
-                return f"mma needs 16 query rows per warp: block_M {bm} < {threads // 32} x 16"
-            if stages > 1 and not config.get("overlap"):
-                return "below sm_90 the KV loop pipelines through overlap 1, not num_stages > 1"
-        return None
-
-    # ---- kernels --------------------------------------------------------------------------------
-    def build(self, problem: AttentionProblem, config: Config, target: Target) -> Any:
-        _, _, _, Hq, Hkv, D, causal, dtype = problem
-        if target.kind == "cpu":
-            return kernels.cpu_program(Hq, Hkv, D, causal, dtype, **config)
-        return kernels.gpu_program(Hq, Hkv, D, causal, dtype, **config)
-
-    def kernel_key(self, problem: AttentionProblem) -> tuple:
-        return problem[3:]  # batch and both lengths are dynamic in the kernel
-
-    def adapt(self, kernel: Any, target: Target) -> Any:
-        return BitsAdapter(kernel) if target.kind == "cpu" else kernel
 
     def launch(self, kernel, args: tuple, out: tuple[torch.Tensor, torch.Tensor] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,11 +9,12 @@ the configuration tuned for 2^i and, the kernel being dynamic in M, the same com
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import torch
 
-from ...spec import Call, Config, OpSpec, pow2_bucket, refuse_grad
+from ...spec import Backend, Call, Config, OpSpec, Space, pow2_bucket, refuse_grad
 from ...target import Target
 from ..host import DTYPE_NAMES as _NAMES
 from ..host import DTYPE_SIZES as _SIZES
@@ -35,6 +36,58 @@ class GemmProblem(NamedTuple):
     out_dtype: str
 
 
+def _cpu_default(problem: GemmProblem, target: Target, space: Space) -> Config:
+    """The smallest row tile of the space that holds M (up to 32)."""
+    rows = [b for b in space["block_M"] if b <= 32]
+    return {"block_M": min((b for b in rows if b >= problem.M), default=max(rows)),
+            "block_N": 32, "block_K": 64}
+
+
+def _cuda_default(problem: GemmProblem, target: Target, space: Space) -> Config:
+    """By M: decode tiles with the operands swapped, mid-size tiles, then large ones."""
+    M = problem.M
+    if M <= 64:  # decode: bound by reading B; the weight fills the wgmma M side (swap_ab)
+        # The H200 grid over the Llama weights (benchmarks/NOTES.md): at M <= 16 this point
+        # is within 1.2% of each problem's best on geometric mean; no split-K won there, and
+        # at M = 64 it won once in seven.
+        return {"block_M": max(M, 16), "block_N": 64, "block_K": 256 if M <= 16 else 128,
+                "num_stages": 4, "threads": 128, "swizzle": 0, "swap_ab": 1, "split_k": 1}
+    if M <= 256:
+        return {"block_M": 64, "block_N": 128, "block_K": 64, "num_stages": 4,
+                "threads": 128, "swizzle": 0, "split_k": 1, "swap_ab": 0}
+    return {"block_M": 128, "block_N": 256, "block_K": 64, "num_stages": 3, "threads": 256,
+            "swizzle": 8, "split_k": 1, "swap_ab": 0}
+
+
+def _check_gpu(problem: GemmProblem, config: Config, target: Target) -> str | None:
+    """Shared-memory budget, accumulator registers, wgmma tile shapes and the decode knobs."""
+    bm, bn, bk = config["block_M"], config["block_N"], config["block_K"]
+    threads, stages = config["threads"], config["num_stages"]
+    esize = _SIZES[problem.dtype]
+    smem = stages * (bm * bk + bk * bn) * esize
+    limit = smem_limit(target.arch)
+    if smem > limit:
+        return f"shared memory {smem // 1024} KiB > {limit // 1024} KiB"
+    if bm * bn // threads > 128:
+        return f"{bm * bn // threads} accumulators per thread (> 128 registers)"
+    if target.is_hopper and not config.get("swap_ab") and bm % (64 * (threads // 128)):
+        return f"wgmma needs block_M a multiple of 64 per warpgroup ({threads // 128})"
+    if target.kind == "cuda":  # the decode knobs (swap_ab, split_k) are CUDA's
+        reason = check_decode_knobs(problem.M, problem.K, config, target.arch, min_block_M=64)
+        if reason:
+            return reason
+    if bm * bk * esize < threads * 16 // 2:
+        return "A tile too small for the thread block"
+    return None
+
+
+# The kernels of each target kind. The hip and metal defaults are constant: configs/gemm.toml
+# holds them beside their spaces.
+_GPU = Backend(kernels.gpu_program, gpu_adapter, check=_check_gpu)
+BACKENDS = {"cpu": Backend(kernels.cpu_program, BitsAdapter, default=_cpu_default),
+            "cuda": replace(_GPU, default=_cuda_default), "hip": _GPU, "metal": _GPU}
+
+
 class GemmSpec(OpSpec):
     name = "gemm"
     function = "tileops.gemm(a, b, *, out_dtype=None)"
@@ -45,6 +98,7 @@ class GemmSpec(OpSpec):
     categorical = ("dtype", "layout", "out_dtype")
     baseline_name = "torch.matmul"
     kernel_module = kernels.__name__
+    backends = BACKENDS
 
     # ---- problems -------------------------------------------------------------------------------
     def prepare(self, a: torch.Tensor, b: torch.Tensor,
@@ -118,64 +172,10 @@ class GemmSpec(OpSpec):
             raise ValueError(f"bad GEMM shape {text!r}: sizes must be >= 1")
         return GemmProblem(pow2_bucket(M), N, K, dtype, match.group(4) or "nk", dtype)
 
-    # ---- configuration --------------------------------------------------------------------------
-    def default_config(self, problem: GemmProblem, target: Target) -> Config:
-        M = problem.M
-        if target.kind == "cpu":  # the smallest row tile of the space that holds M (up to 32)
-            rows = [b for b in self.space(target)["block_M"] if b <= 32]
-            return {"block_M": min((b for b in rows if b >= M), default=max(rows)),
-                    "block_N": 32, "block_K": 64}
-        if target.kind == "hip":  # 4 wavefronts, 32 KiB of LDS for two stages
-            return {"block_M": 128, "block_N": 128, "block_K": 32, "num_stages": 2,
-                    "threads": 256, "swizzle": 0, "k_pack": 1}
-        if target.kind == "metal":  # within 32 KiB of threadgroup memory
-            return {"block_M": 64, "block_N": 64, "block_K": 32, "num_stages": 0,
-                    "threads": 128, "swizzle": 0}
-        if M <= 64:  # decode: bound by reading B; the weight fills the wgmma M side (swap_ab)
-            # The H200 grid over the Llama weights (benchmarks/NOTES.md): at M <= 16 this point
-            # is within 1.2% of each problem's best on geometric mean; no split-K won there, and
-            # at M = 64 it won once in seven.
-            return {"block_M": max(M, 16), "block_N": 64, "block_K": 256 if M <= 16 else 128,
-                    "num_stages": 4, "threads": 128, "swizzle": 0, "swap_ab": 1, "split_k": 1}
-        if M <= 256:
-            return {"block_M": 64, "block_N": 128, "block_K": 64, "num_stages": 4,
-                    "threads": 128, "swizzle": 0, "split_k": 1, "swap_ab": 0}
-        return {"block_M": 128, "block_N": 256, "block_K": 64, "num_stages": 3, "threads": 256,
-                "swizzle": 8, "split_k": 1, "swap_ab": 0}
-
-    def check_config(self, problem: GemmProblem, config: Config, target: Target) -> str | None:
-        if target.kind == "cpu":
-            return None
-        bm, bn, bk = config["block_M"], config["block_N"], config["block_K"]
-        threads, stages = config["threads"], config["num_stages"]
-        esize = _SIZES[problem.dtype]
-        smem = stages * (bm * bk + bk * bn) * esize
-        limit = smem_limit(target.arch)
-        if smem > limit:
-            return f"shared memory {smem // 1024} KiB > {limit // 1024} KiB"
-        if bm * bn // threads > 128:
-            return f"{bm * bn // threads} accumulators per thread (> 128 registers)"
-        if (target.arch.startswith("sm_90") and not config.get("swap_ab")
-                and bm % (64 * (threads // 128))):
-            return f"wgmma needs block_M a multiple of 64 per warpgroup ({threads // 128})"
-        if target.kind == "cuda":
-            reason = check_decode_knobs(problem.M, problem.K, config, target.arch, min_block_M=64)
-            if reason:
-                return reason
-        if bm * bk * esize < threads * 16 // 2:
-            return "A tile too small for the thread block"
-        return None
-
     # ---- kernels --------------------------------------------------------------------------------
-    def build(self, problem: GemmProblem, config: Config, target: Target) -> Any:
+    def program_args(self, problem: GemmProblem) -> tuple:
         _, N, K, dtype, layout, out_dtype = problem
-        trans_b = layout == "nk"
-        if target.kind == "cpu":
-            return kernels.cpu_program(N, K, dtype, out_dtype, trans_b, **config)
-        return kernels.gpu_program(N, K, dtype, out_dtype, trans_b, **config)
-
-    def adapt(self, kernel: Any, target: Target) -> Any:
-        return BitsAdapter(kernel) if target.kind == "cpu" else gpu_adapter(kernel)
+        return (N, K, dtype, out_dtype, layout == "nk")
 
     def launch(self, kernel, args: tuple, out: torch.Tensor | None = None) -> torch.Tensor:
         a, b, trans_b, out_dtype = args

@@ -18,13 +18,14 @@ e.g. `B64xS4096xH128` or `B4xS1000xH16xQ2`.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Any, NamedTuple
 
 import torch
 
-from ...spec import Call, Config, OpSpec, check_scale, pow2_bucket, refuse_grad
+from ...spec import Backend, Call, Config, OpSpec, Space, check_scale, pow2_bucket, refuse_grad
 from ...target import Target
 from ..common import LOG2E
 from ..host import DTYPE_SIZES, DTYPES, dtype_name, smem_limit
@@ -57,6 +58,58 @@ class MlaArgs(NamedTuple):
     h_q: int
 
 
+class _MlaKernel:
+    """A compiled MLA program with its calling convention: it allocates the split-KV partial
+    buffers (fp32) and, on the CPU target, passes bf16 tensors as their uint16 bits."""
+
+    def __init__(self, kernel: Any, cpu: bool):
+        self.kernel, self.cpu = kernel, cpu
+        self.num_splits = int(kernel.prim_func.buffer_map[kernel.prim_func.params[5]].shape[2])
+
+    def __call__(self, args: MlaArgs, out: torch.Tensor, lse: torch.Tensor) -> None:
+        q = args.q
+        B, rows, _ = q.shape
+        o_part = torch.empty((B, rows, self.num_splits, D_LATENT), dtype=torch.float32,
+                             device=q.device)
+        l_part = torch.empty((B, rows, self.num_splits), dtype=torch.float32, device=q.device)
+        kv = args.kv_cache
+        if self.cpu and q.dtype is torch.bfloat16:
+            q, kv, out = q.view(torch.uint16), kv.view(torch.uint16), out.view(torch.uint16)
+        self.kernel(q, kv, args.block_table, args.cache_seqlens, args.scale_log2, o_part, l_part,
+                    out, lse)
+
+
+def _cuda_default(problem: MlaProblem, target: Target, space: Space) -> Config:
+    """64 query rows per CTA; enough KV splits to fill the machine (`default_splits`)."""
+    rows = problem.s_q * problem.h_q
+    ctas = problem.batch * -(-rows // 64)
+    # Two stages of 64 keys take 226 KiB of shared memory: sm_90's budget, not sm_80's.
+    block_N = 64 if smem_limit(target.arch) >= 226 * 1024 else 32
+    return {"block_H": 64, "block_N": block_N, "num_stages": 2, "threads": 256,
+            "num_splits": default_splits(ctas, problem.seqlen, block_N, target.units or 132)}
+
+
+def _check_cuda(problem: MlaProblem, config: Config, target: Target) -> str | None:
+    """Shared memory, output accumulators per thread, splits longer than the keys."""
+    bh, bn, threads = config["block_H"], config["block_N"], config["threads"]
+    # Q, the pipelined key/value tiles, P; and about 2 KiB of barriers and alignment.
+    smem = (bh * D_QK + config["num_stages"] * bn * D_QK + bh * bn) * 2 + 2048
+    if smem > smem_limit(target.arch):
+        return f"shared memory {smem // 1024} KiB > {smem_limit(target.arch) // 1024} KiB"
+    if bh * D_LATENT // threads > 128:
+        return f"{bh * D_LATENT // threads} output accumulators per thread (> 128 registers)"
+    if config["num_splits"] > 1 and config["num_splits"] * bn > 2 * problem.seqlen:
+        return f"{config['num_splits']} splits of {bn} keys for {problem.seqlen} keys"
+    return None
+
+
+# The kernels of each target kind (`MlaDecodeSpec.unsupported` says why hip and sm_8x have none).
+# The cpu default is constant: configs/mla_decode.toml holds it beside its space.
+BACKENDS = {"cpu": Backend(kernels.cpu_program, functools.partial(_MlaKernel, cpu=True)),
+            "cuda": Backend(kernels.gpu_program, functools.partial(_MlaKernel, cpu=False),
+                            check=_check_cuda, default=_cuda_default)}
+
+
 class MlaDecodeSpec(OpSpec):
     name = "mla_decode"
     function = ("tileops.mla_decode(q, kv_cache, block_table, cache_seqlens, *, "
@@ -65,6 +118,7 @@ class MlaDecodeSpec(OpSpec):
     dtypes = SUPPORTED
     Problem = MlaProblem
     bucketed = ("seqlen",)
+    dynamic = ("batch", "seqlen")
     categorical = ("h_q", "s_q", "dtype")
     baseline_name = "torch (gather pages, matmul, softmax)"
     unsupported = {"hip": "TileLang's layout inference rejects the softmax row vectors against "
@@ -73,6 +127,7 @@ class MlaDecodeSpec(OpSpec):
                                 "the key tile being written twice per step (the load, and the "
                                 "zeroing of rows past the sequence's end)"}
     kernel_module = kernels.__name__
+    backends = BACKENDS
 
     # ---- problems -------------------------------------------------------------------------------
     def prepare(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -122,46 +177,12 @@ class MlaDecodeSpec(OpSpec):
         return MlaProblem(B, pow2_bucket(S), H, s_q, dtype)
 
     # ---- configuration --------------------------------------------------------------------------
-    def default_config(self, problem: MlaProblem, target: Target) -> Config:
-        if target.kind == "cpu":
-            return {"block_H": 16, "block_N": 32, "num_splits": 1}
-        rows = problem.s_q * problem.h_q
-        ctas = problem.batch * -(-rows // 64)
-        # Two stages of 64 keys take 226 KiB of shared memory: sm_90's budget, not sm_80's.
-        block_N = 64 if smem_limit(target.arch) >= 226 * 1024 else 32
-        return {"block_H": 64, "block_N": block_N, "num_stages": 2, "threads": 256,
-                "num_splits": default_splits(ctas, problem.seqlen, block_N,
-                                             target.units or 132)}
-
     def check_config(self, problem: MlaProblem, config: Config, target: Target) -> str | None:
         if PAGE % config["block_N"]:
             return f"block_N {config['block_N']} does not divide the page size {PAGE}"
-        if target.kind == "cpu":
-            return None
-        bh, bn, threads = config["block_H"], config["block_N"], config["threads"]
-        # Q, the pipelined key/value tiles, P; and about 2 KiB of barriers and alignment.
-        smem = (bh * D_QK + config["num_stages"] * bn * D_QK + bh * bn) * 2 + 2048
-        if smem > smem_limit(target.arch):
-            return f"shared memory {smem // 1024} KiB > {smem_limit(target.arch) // 1024} KiB"
-        if bh * D_LATENT // threads > 128:
-            return f"{bh * D_LATENT // threads} output accumulators per thread (> 128 registers)"
-        if config["num_splits"] > 1 and config["num_splits"] * bn > 2 * problem.seqlen:
-            return f"{config['num_splits']} splits of {bn} keys for {problem.seqlen} keys"
-        return None
+        return super().check_config(problem, config, target)
 
     # ---- kernels --------------------------------------------------------------------------------
-    def build(self, problem: MlaProblem, config: Config, target: Target) -> Any:
-        _, _, h_q, s_q, dtype = problem
-        if target.kind == "cpu":
-            return kernels.cpu_program(h_q, s_q, dtype, **config)
-        return kernels.gpu_program(h_q, s_q, dtype, **config)
-
-    def kernel_key(self, problem: MlaProblem) -> tuple:
-        return (problem.h_q, problem.s_q, problem.dtype)  # batch and lengths are dynamic
-
-    def adapt(self, kernel: Any, target: Target) -> Any:
-        return _MlaKernel(kernel, cpu=target.kind == "cpu")
-
     def launch(self, kernel: Any, args: tuple, out: tuple | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the kernel; `out` is an (out, lse) pair of buffers to write, as the baseline returns.
@@ -344,27 +365,6 @@ def _refuse(q: Any, kv: Any, table: Any, seqlens: Any, head_dim_v: Any) -> None:
                          "would cost more than the attention)")
     refuse_grad("mla_decode", q=q, kv_cache=kv)
     raise ValueError(f"mla_decode: unsupported inputs q {tuple(q.shape)} {q.dtype} on {q.device}")
-
-
-class _MlaKernel:
-    """A compiled MLA program with its calling convention: it allocates the split-KV partial
-    buffers (fp32) and, on the CPU target, passes bf16 tensors as their uint16 bits."""
-
-    def __init__(self, kernel: Any, cpu: bool):
-        self.kernel, self.cpu = kernel, cpu
-        self.num_splits = int(kernel.prim_func.buffer_map[kernel.prim_func.params[5]].shape[2])
-
-    def __call__(self, args: MlaArgs, out: torch.Tensor, lse: torch.Tensor) -> None:
-        q = args.q
-        B, rows, _ = q.shape
-        o_part = torch.empty((B, rows, self.num_splits, D_LATENT), dtype=torch.float32,
-                             device=q.device)
-        l_part = torch.empty((B, rows, self.num_splits), dtype=torch.float32, device=q.device)
-        kv = args.kv_cache
-        if self.cpu and q.dtype is torch.bfloat16:
-            q, kv, out = q.view(torch.uint16), kv.view(torch.uint16), out.view(torch.uint16)
-        self.kernel(q, kv, args.block_table, args.cache_seqlens, args.scale_log2, o_part, l_part,
-                    out, lse)
 
 
 MLA_DECODE = MlaDecodeSpec()

@@ -156,6 +156,38 @@ def gpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block
     partial = split_k > 1
 
     @T.macro
+    def decode_words(W_s, S_s, S2_s, B_s, s0):
+        """"bf16x2": thread t decodes words t, t + threads, ...: rows' words in turn."""
+        T.import_source(BF16X2_SOURCE)
+        tx = T.get_thread_binding()
+        for n, j in T.Parallel(block_N, per_step):
+            S2_s[n, j] = T.call_extern("uint32", BF16X2_SCALE, S_s[n, s0 + j])
+        # TileLang sees no store in the decoder's call, so the barriers around the tile are
+        # ours: every warp's rows are read by the last step's matrix units (before) and decoded
+        # by all warps (after).
+        T.sync_threads()
+        for i in T.serial(words // threads):  # check_config: threads divide words
+            word = i * threads + tx
+            n, w = word // (block_K // 8), word % (block_K // 8)
+            T.call_extern("handle", BF16X2_DECODE, W_s[n, w], S2_s[n, w * 8 // BLOCK],
+                          T.address_of(B_s[n, w * 8]))
+        T.sync_threads()
+
+    @T.macro
+    def decode_elements(W_s, W_f, S_s, S_f, B_s, table, s0):
+        """"bits", "lut" and "reg", element by element: TileLang gives each thread the eight
+        elements of a word and stores them as one 16-byte vector; a loop over words writing
+        eight elements gets a barrier per iteration instead."""
+        if not reg:
+            T.copy(W_s, W_f)
+            T.copy(S_s[0:block_N, s0:s0 + per_step], S_f)
+        for n, kk in T.Parallel(block_N, block_K):
+            code = _nibble(W_f[n, kk // 8], kk)
+            value = table[code] if lut else _code_value_bits(code)
+            scale = S_s[n, s0 + kk // BLOCK] if reg else S_f[n, kk // BLOCK]
+            B_s[n, kk] = T.cast(value * _scale(scale), dtype)
+
+    @T.macro
     def tiles_fused(A, W, S, C, partials):
         with T.Kernel(T.ceildiv(N, block_N), T.ceildiv(M, block_M), split_k,
                       threads=threads) as (bx, by, bz):
@@ -199,34 +231,10 @@ def gpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block
                 if not scales_once:
                     T.copy(S[bx * block_N, ko * per_step], S_s)
                 s0 = k * per_step if scales_once else 0  # this step's first scale column
-                if bf16x2:  # thread t decodes words t, t + threads, ...: rows' words in turn
-                    T.import_source(BF16X2_SOURCE)
-                    tx = T.get_thread_binding()
-                    for n, j in T.Parallel(block_N, per_step):
-                        S2_s[n, j] = T.call_extern("uint32", BF16X2_SCALE, S_s[n, s0 + j])
-                    # TileLang sees no store in the decoder's call, so the barriers around the
-                    # tile are ours: every warp's rows are read by the last step's matrix units
-                    # (before) and decoded by all warps (after).
-                    T.sync_threads()
-                    for i in T.serial(words // threads):  # check_config: threads divide words
-                        word = i * threads + tx
-                        n, w = word // (block_K // 8), word % (block_K // 8)
-                        T.call_extern("handle", BF16X2_DECODE, W_s[n, w],
-                                      S2_s[n, w * 8 // BLOCK],
-                                      T.address_of(B_s[n, w * 8]))
-                    T.sync_threads()
+                if bf16x2:
+                    decode_words(W_s, S_s, S2_s, B_s, s0)
                 else:
-                    # Element by element: TileLang gives each thread the eight elements of a word
-                    # and stores them as one 16-byte vector; a loop over words writing eight
-                    # elements gets a barrier per iteration instead.
-                    if not reg:
-                        T.copy(W_s, W_f)
-                        T.copy(S_s[0:block_N, s0:s0 + per_step], S_f)
-                    for n, kk in T.Parallel(block_N, block_K):
-                        code = _nibble(W_f[n, kk // 8], kk)
-                        value = table[code] if lut else _code_value_bits(code)
-                        scale = S_s[n, s0 + kk // BLOCK] if reg else S_f[n, kk // BLOCK]
-                        B_s[n, kk] = T.cast(value * _scale(scale), dtype)
+                    decode_elements(W_s, W_f, S_s, S_f, B_s, table, s0)
                 gpu_tiles.mma(A_s, B_s, C_f, swap_ab, True, annotations)
             gpu_tiles.store(C_f, C, partials, by * block_M, bx * block_N, bz, swap_ab, partial)
 

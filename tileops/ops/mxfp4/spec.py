@@ -13,11 +13,12 @@ the baseline's first launch, so the tuner times the GEMM alone; dispatch calling
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import torch
 
-from ...spec import Call, Config, OpSpec, pow2_bucket, refuse_grad
+from ...spec import Backend, Call, Config, OpSpec, Space, pow2_bucket, refuse_grad
 from ...target import Target
 from ..host import (
     DTYPE_SIZES,
@@ -58,6 +59,93 @@ class PackedWeight:
         return self._dense
 
 
+def _cpu_default(problem: Mxfp4Problem, target: Target, space: Space) -> Config:
+    return {"block_M": min(problem.M, 32), "block_N": 32, "block_K": 64, "dequant": "bits"}
+
+
+def _hip_default(problem: Mxfp4Problem, target: Target, space: Space) -> Config:
+    """Four wavefronts, within 64 KiB of LDS for two stages."""
+    return {"block_M": 32 if problem.M <= 32 else 64, "block_N": 128, "block_K": 64,
+            "num_stages": 2, "threads": 256, "dequant": "bits", "k_pack": 1}
+
+
+def _cuda_default(problem: Mxfp4Problem, target: Target, space: Space) -> Config:
+    """By M: decode tiles with the operands swapped and split K, mid-size fused tiles, then the
+    weight decoded once ("global") for a plain GEMM."""
+    M, N, K = problem.M, problem.N, problem.K
+    units = target.units or 132
+    plain = {"split_k": 1, "swap_ab": 0, "ctas_per_sm": 1}
+    if M <= 64:  # decode: bound by reading W; the weight fills the wgmma M side (swap_ab)
+        block_K = 256 if M <= 32 else 128  # three stages within sm_80's shared memory
+        return {"block_M": max(M, 16), "block_N": 64, "block_K": block_K, "num_stages": 3,
+                "threads": 128, "dequant": "bits", "swizzle": 0, "swap_ab": 1,
+                "ctas_per_sm": 1, "split_k": decode_split_k(N, K, 64, block_K, units)}
+    if M <= 256:  # two stages: 113 KiB, within sm_80's shared memory too
+        return {"block_M": 64, "block_N": 128, "block_K": 128, "num_stages": 2,
+                "threads": 128, "dequant": "bits", "swizzle": 0, **plain}
+    # Each weight tile feeds M / block_M CTAs: decode the weight once, then a bf16 GEMM.
+    return {"block_M": 128, "block_N": 256, "block_K": 64, "num_stages": 3, "threads": 256,
+            "dequant": "global", "swizzle": 8, **plain}
+
+
+def _check_gpu(problem: Mxfp4Problem, config: Config, target: Target) -> str | None:
+    """Shared memory, registers of the decode, accumulators, wgmma and mma tile shapes and, on
+    CUDA, the decode knobs."""
+    bm, bn, bk = config["block_M"], config["block_N"], config["block_K"]
+    threads, stages = config["threads"], config["num_stages"]
+    esize = DTYPE_SIZES[problem.dtype]
+    if config["dequant"] == "global":  # A and dequantised B tiles per stage
+        if config.get("split_k", 1) != 1:
+            return "the global dequantisation is for large M: split_k 1 only"
+        smem = max(stages, 1) * (bm + bn) * bk * esize
+    else:  # the fused kernels: see `_fused_smem`
+        smem = _fused_smem(problem, config, target)[0]
+        if config["dequant"] == "bf16x2":
+            if target.kind != "cuda" or problem.dtype != "bfloat16":
+                return "dequant 'bf16x2' is CUDA code for bf16 activations"
+            if bn * bk // 8 % threads:
+                return f"{threads} threads do not divide the tile's {bn * bk // 8} words"
+        if config["dequant"] == "reg":
+            if not config.get("swap_ab"):
+                return "dequant 'reg' feeds the weight as the A operand: swap_ab only"
+            if bn * bk * esize // 4 // threads > 128:
+                return f"{bn * bk * esize // 4 // threads} registers per thread of decoded tile"
+        elif bn * bk // 8 // threads > 64:  # a step's packed words, held in registers
+            return f"{bn * bk // 8 // threads} packed words per thread (> 64 registers)"
+    limit = smem_limit(target.arch)
+    ctas = config.get("ctas_per_sm", 1)
+    if ctas > 1 and (target.kind != "cuda" or config["dequant"] == "global"):
+        return "ctas_per_sm caps registers of the fused CUDA kernels only"
+    if ctas * (smem + 1024) > limit + 1024:  # an SM: the block limit + 1 KiB, 1 KiB per block
+        return f"shared memory {ctas} x {smem // 1024} KiB > {limit // 1024} KiB"
+    if bm * bn // threads > 128:
+        return f"{bm * bn // threads} accumulators per thread (> 128 registers)"
+    if not config.get("swap_ab"):
+        if target.is_hopper and bm >= 64 and bm % (64 * (threads // 128)):
+            return f"wgmma needs block_M a multiple of 64 per warpgroup ({threads // 128})"
+        if target.kind == "cuda" and bm < 64 and threads != 128:
+            return f"block_M {bm} (mma tiles) takes 128 threads"
+    return None
+
+
+def _check_cuda(problem: Mxfp4Problem, config: Config, target: Target) -> str | None:
+    return (_check_gpu(problem, config, target)
+            or check_decode_knobs(problem.M, problem.K, config, target.arch, min_block_M=16))
+
+
+def _scales_once(problem: Mxfp4Problem, config: Config, target: Target) -> Config:
+    """Whether the fused kernels load the scales of every K step before the loop (`_fused_smem`)."""
+    return {"scales_once": config["dequant"] != "global" and _fused_smem(problem, config, target)[1]}
+
+
+# The kernels of each target kind. The metal default is constant: configs/mxfp4_gemm.toml holds it
+# beside its space.
+_GPU = Backend(kernels.gpu_program, gpu_adapter, check=_check_gpu, derived=_scales_once)
+BACKENDS = {"cpu": Backend(kernels.cpu_program, BitsAdapter, default=_cpu_default),
+            "cuda": replace(_GPU, check=_check_cuda, default=_cuda_default),
+            "hip": replace(_GPU, default=_hip_default), "metal": _GPU}
+
+
 class Mxfp4GemmSpec(OpSpec):
     name = "mxfp4_gemm"
     function = "tileops.mxfp4_gemm(a, w_fp4, w_scale)"
@@ -68,6 +156,7 @@ class Mxfp4GemmSpec(OpSpec):
     categorical = ("dtype",)
     baseline_name = "torch.matmul on the dequantised weight"
     kernel_module = kernels.__name__
+    backends = BACKENDS
 
     # ---- problems -------------------------------------------------------------------------------
     def prepare(self, a: torch.Tensor, w_fp4: torch.Tensor, w_scale: torch.Tensor) -> Call:
@@ -131,85 +220,13 @@ class Mxfp4GemmSpec(OpSpec):
         return Mxfp4Problem(pow2_bucket(M), N, K, dtype)
 
     # ---- configuration --------------------------------------------------------------------------
-    def default_config(self, problem: Mxfp4Problem, target: Target) -> Config:
-        M, N, K = problem.M, problem.N, problem.K
-        if target.kind == "cpu":
-            return {"block_M": min(M, 32), "block_N": 32, "block_K": 64, "dequant": "bits"}
-        if target.kind == "hip":  # four wavefronts, within 64 KiB of LDS for two stages
-            return {"block_M": 32 if M <= 32 else 64, "block_N": 128, "block_K": 64,
-                    "num_stages": 2, "threads": 256, "dequant": "bits", "k_pack": 1}
-        if target.kind == "metal":  # within 32 KiB of threadgroup memory
-            return {"block_M": 32, "block_N": 32, "block_K": 32, "num_stages": 0, "threads": 128,
-                    "dequant": "bits"}
-        units = target.units or 132
-        plain = {"split_k": 1, "swap_ab": 0, "ctas_per_sm": 1}
-        if M <= 64:  # decode: bound by reading W; the weight fills the wgmma M side (swap_ab)
-            block_K = 256 if M <= 32 else 128  # three stages within sm_80's shared memory
-            return {"block_M": max(M, 16), "block_N": 64, "block_K": block_K, "num_stages": 3,
-                    "threads": 128, "dequant": "bits", "swizzle": 0, "swap_ab": 1,
-                    "ctas_per_sm": 1, "split_k": decode_split_k(N, K, 64, block_K, units)}
-        if M <= 256:  # two stages: 113 KiB, within sm_80's shared memory too
-            return {"block_M": 64, "block_N": 128, "block_K": 128, "num_stages": 2,
-                    "threads": 128, "dequant": "bits", "swizzle": 0, **plain}
-        # Each weight tile feeds M / block_M CTAs: decode the weight once, then a bf16 GEMM.
-        return {"block_M": 128, "block_N": 256, "block_K": 64, "num_stages": 3, "threads": 256,
-                "dequant": "global", "swizzle": 8, **plain}
-
     def check_config(self, problem: Mxfp4Problem, config: Config, target: Target) -> str | None:
         bk = config["block_K"]
         if bk % BLOCK:
             return f"block_K {bk} is not a multiple of the scale block ({BLOCK})"
-        if target.kind == "cpu":
-            return None
-        bm, bn = config["block_M"], config["block_N"]
-        threads, stages = config["threads"], config["num_stages"]
-        esize = DTYPE_SIZES[problem.dtype]
-        if config["dequant"] == "global":  # A and dequantised B tiles per stage
-            if config.get("split_k", 1) != 1:
-                return "the global dequantisation is for large M: split_k 1 only"
-            smem = max(stages, 1) * (bm + bn) * bk * esize
-        else:  # the fused kernels: see `_fused_smem`
-            smem = _fused_smem(problem, config, target)[0]
-            if config["dequant"] == "bf16x2":
-                if target.kind != "cuda" or problem.dtype != "bfloat16":
-                    return "dequant 'bf16x2' is CUDA code for bf16 activations"
-                if bn * bk // 8 % threads:
-                    return f"{threads} threads do not divide the tile's {bn * bk // 8} words"
-            if config["dequant"] == "reg":
-                if not config.get("swap_ab"):
-                    return "dequant 'reg' feeds the weight as the A operand: swap_ab only"
-                if bn * bk * esize // 4 // threads > 128:
-                    return f"{bn * bk * esize // 4 // threads} registers per thread of decoded tile"
-            elif bn * bk // 8 // threads > 64:  # a step's packed words, held in registers
-                return f"{bn * bk // 8 // threads} packed words per thread (> 64 registers)"
-        limit = smem_limit(target.arch)
-        ctas = config.get("ctas_per_sm", 1)
-        if ctas > 1 and (target.kind != "cuda" or config["dequant"] == "global"):
-            return "ctas_per_sm caps registers of the fused CUDA kernels only"
-        if ctas * (smem + 1024) > limit + 1024:  # an SM: the block limit + 1 KiB, 1 KiB per block
-            return f"shared memory {ctas} x {smem // 1024} KiB > {limit // 1024} KiB"
-        if bm * bn // threads > 128:
-            return f"{bm * bn // threads} accumulators per thread (> 128 registers)"
-        if not config.get("swap_ab"):
-            if target.arch.startswith("sm_90") and bm >= 64 and bm % (64 * (threads // 128)):
-                return f"wgmma needs block_M a multiple of 64 per warpgroup ({threads // 128})"
-            if target.kind == "cuda" and bm < 64 and threads != 128:
-                return f"block_M {bm} (mma tiles) takes 128 threads"
-        if target.kind != "cuda":
-            return None
-        return check_decode_knobs(problem.M, problem.K, config, target.arch, min_block_M=16)
+        return super().check_config(problem, config, target)
 
     # ---- kernels --------------------------------------------------------------------------------
-    def build(self, problem: Mxfp4Problem, config: Config, target: Target) -> Any:
-        _, N, K, dtype = problem
-        if target.kind == "cpu":
-            return kernels.cpu_program(N, K, dtype, **config)
-        scales_once = config["dequant"] != "global" and _fused_smem(problem, config, target)[1]
-        return kernels.gpu_program(N, K, dtype, **config, scales_once=scales_once)
-
-    def adapt(self, kernel: Any, target: Target) -> Any:
-        return BitsAdapter(kernel) if target.kind == "cpu" else gpu_adapter(kernel)
-
     def launch(self, kernel, args: tuple, out: torch.Tensor | None = None) -> torch.Tensor:
         a, w = args
         c = out if out is not None else a.new_empty((a.shape[0], w.fp4.shape[0]))
@@ -259,7 +276,7 @@ def _fused_smem(problem: Mxfp4Problem, config: Config, target: Target) -> tuple[
     # pipeline sees the decode write it inside the loop; one elsewhere (bf16x2 writes it through
     # a call the pipeline cannot see into).
     tiles = {"reg": 0, "bf16x2": 1}.get(config["dequant"],
-                                        stages if target.arch.startswith("sm_90") else 1)
+                                        stages if target.is_hopper else 1)
     base = (_kib(stages * bm * bk * esize) + _kib(stages * bn * bk // 2)
             + _kib(tiles * bn * bk * esize) + 64)
     if config["dequant"] == "lut":
