@@ -18,11 +18,13 @@ from .spec import OpSpec, refuse_grad
 _LIBRARY = torch.library.Library("tileops", "DEF")
 
 
-def register(spec: OpSpec, schema: str, fake: Callable[..., torch.Tensor]):
+def register(spec: OpSpec, schema: str, fake: Callable[..., torch.Tensor],
+             autograd: tuple[Callable, Callable] | None = None):
     """Define `tileops::<spec.name>` with `schema`, backed by the dispatcher; return the op.
 
-    The fake implementation refuses inputs that require grad (as `spec.prepare` does in eager
-    calls): the operators have no backward, and a compiled graph would drop the gradients."""
+    `autograd` is the operator's (setup_context, backward), as `torch.library.register_autograd`
+    takes them. Without one, the fake implementation refuses inputs that require grad (as
+    `spec.prepare` does in eager calls): a compiled graph would drop the gradients."""
     _LIBRARY.define(f"{spec.name}{schema}")
 
     def impl(*args):
@@ -35,5 +37,10 @@ def register(spec: OpSpec, schema: str, fake: Callable[..., torch.Tensor]):
         return fake(*args, **kwargs)
 
     _LIBRARY.impl(spec.name, impl, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"tileops::{spec.name}", checked_fake, lib=_LIBRARY)
+    name = f"tileops::{spec.name}"
+    torch.library.register_fake(name, fake if autograd else checked_fake, lib=_LIBRARY)
+    if autograd:
+        setup_context, backward = autograd
+        torch.library.register_autograd(name, backward, setup_context=setup_context,
+                                        lib=_LIBRARY)
     return getattr(torch.ops.tileops, spec.name)
