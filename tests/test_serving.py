@@ -50,3 +50,26 @@ def test_threads_making_the_first_call_at_once_compile_once_and_all_get_it_right
         torch.testing.assert_close(out, a @ w.t(), rtol=1e-4, atol=1e-4)
     (choice,) = dispatch.DISPATCHER.choices.values()
     assert choice.source == "user" and choice.exact
+
+
+def test_tune_on_first_use_is_off_by_default_and_records_when_asked(monkeypatch):
+    from tileops import autotune
+
+    spec = tileops.get_spec("gemm")
+    a, w = torch.randn(8, 40), torch.randn(24, 40)
+    tileops.gemm(a, w.t())
+    (choice,) = dispatch.DISPATCHER.choices.values()
+    assert choice.source == "default"  # off: the default, nothing tuned
+    monkeypatch.setenv("TILEOPS_AUTOTUNE", "1")
+    monkeypatch.setenv("TILEOPS_AUTOTUNE_TRIALS", "2")
+    tileops.reset()
+    out = tileops.gemm(a, w.t())
+    torch.testing.assert_close(out, a @ w.t(), rtol=1e-4, atol=1e-4)
+    problem = spec.prepare(a, w.t()).problem
+    choice = dispatch.DISPATCHER.choice(spec, target_of(torch.device("cpu")), problem)
+    assert choice.source == "user" and choice.exact and choice.record.trials == 2
+    tileops.set_autotune(False)  # the Python switch wins over the environment
+    try:
+        assert autotune.policy() is None
+    finally:
+        monkeypatch.setattr(autotune, "_from_env", True)

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .autotune import set_autotune
 from .dispatch import reset
 from .ops import SPECS, get_spec
 from .ops.attention import flash_attention
@@ -24,7 +25,8 @@ if importlib.util.find_spec(f"{__name__}.tuner") is None \
     __path__.append(str(_CHECKOUT))
 
 __all__ = ["SPECS", "Target", "__version__", "dequantize_mxfp4", "flash_attention", "gemm",
-           "get_spec", "mla_decode", "mxfp4_gemm", "quantize_mxfp4", "reset", "target_of", "tune"]
+           "get_spec", "mla_decode", "mxfp4_gemm", "quantize_mxfp4", "reset", "set_autotune",
+           "target_of", "tune"]
 
 
 def tune(op: str, shapes: str | Sequence[str], *, device: str = "auto", trials: int = 32,

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from . import autotune
 from . import target as _target
 from .db.layers import Choice, Resolver, TuningDatabaseWarning
 from .spec import Config, OpSpec, canonical
@@ -138,6 +139,8 @@ class Dispatcher:
         if reason:
             raise NotImplementedError(reason)
         choice = self.choice(spec, target, problem)
+        if choice.source == "default":
+            choice = self._tuned_on_first_use(spec, target, device, problem) or choice
         if choice.use_baseline:
             launcher: Launcher = spec.launch_baseline
         else:
@@ -147,6 +150,17 @@ class Dispatcher:
                   target.describe(), choice.source, choice.config)
         self._launchers[(spec.name, device, problem)] = launcher
         return launcher
+
+    def _tuned_on_first_use(self, spec: OpSpec, target: Target, device: torch.device,
+                            problem: tuple) -> Choice | None:
+        """The record a first-use search made (`tileops.autotune`), when it is on and ran."""
+        tuning = autotune.policy()
+        if tuning is None or autotune.capturing(device):
+            return None
+        if not autotune.tune(spec, target, device, problem, tuning):
+            return None
+        self.reset()  # re-read the user database, which holds the new record
+        return self.choice(spec, target, problem)
 
     def _compile_choice(self, spec: OpSpec, target: Target, problem: tuple, choice: Choice) -> Any:
         try:
