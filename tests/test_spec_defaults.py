@@ -22,7 +22,7 @@ TARGETS = [Target("cuda", "sm_90a", "H200", 132), Target("cuda", "sm_80", "A100"
 @pytest.mark.parametrize("suite", suites.available())
 def test_defaults_are_valid_points_of_the_space(suite):
     loaded = suites.load(suite)
-    spec = suites._spec(loaded.op)
+    spec = suites.named_spec(loaded.op)
     for target in TARGETS:
         if spec.unsupported_reason(target):
             continue
