@@ -14,6 +14,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+import tuner_helpers
 from optuna.trial import TrialState
 from tuner_helpers import FakeSession
 
@@ -214,19 +215,18 @@ def test_search_gives_back_trials_asked_but_not_yet_evaluated(monkeypatch):
 
 
 _WORKERS_SCRIPT = """
-import json, sys
-from tileops.ops import get_spec
+import sys
+import tuner_helpers
 from tileops.target import resolve_device
 from tileops.tuner import lifecycle, sweep
 from tileops.tuner.progress import Progress
 
 if __name__ == "__main__":
-    spec = get_spec("gemm")
+    spec = tuner_helpers.FAULTY
     target, _ = resolve_device("cpu")
     plan = sweep.Plan(spec=spec, target=target, devices=["cpu", "cpu"],
-                      problems=[spec.parse_problem("64x128x128", "float32")], db=sys.argv[1],
-                      storage=sys.argv[2], sampler="grid", trials=16, jobs=2,
-                      space=json.loads(sys.argv[3]), quiet=True)
+                      problems=[spec.parse_problem("16x64x64", "float32")], db=sys.argv[1],
+                      storage=sys.argv[2], sampler="grid", trials=8, jobs=2, quiet=True)
     try:
         with lifecycle.stop_on_sigterm():
             sweep.run(plan, Progress(quiet=True))
@@ -239,19 +239,21 @@ def test_sigterm_to_a_parent_stops_its_workers_who_give_their_trials_back(tmp_pa
     script = tmp_path / "workers.py"
     script.write_text(_WORKERS_SCRIPT)
     storage = tmp_path / "shared.journal"
-    space = {"block_M": [16, 64], "block_N": [16, 32, 64], "block_K": [16, 32, 64]}
-    env = {**os.environ, "TILELANG_CACHE_DIR": str(tmp_path / "kernel-cache"),
-           "PYTHONPATH": str(ROOT)}
+    # The grid of tests/tuner_helpers.py's faulty GEMM holds a configuration whose launch never
+    # returns: a worker measuring it can only stop when it is told to.
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
     proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "w.sqlite"),
-                             str(storage), json.dumps(space)], cwd=ROOT, env=env,
+                             str(storage)], cwd=ROOT, env=env,
                             start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:  # until a worker holds a trial in flight
+    while time.monotonic() < deadline:  # until a worker measures the launch that never returns
         st = studies.open_storage(str(storage)) if storage.exists() else None
         names = optuna.get_all_study_names(st) if st else []
-        if names and any(t.state == TrialState.RUNNING for t in optuna.load_study(
-                study_name=names[0], storage=st).get_trials(deepcopy=False)):
+        if names and any(t.state == TrialState.RUNNING and tuner_helpers.fault(t.params) == "hang"
+                         and t.user_attrs.get(studies.CANDIDATE) for t in optuna.load_study(
+                             study_name=names[0], storage=st).get_trials(deepcopy=False)):
+            time.sleep(2)  # compiled, and in its measurement
             break
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.2)
