@@ -1,0 +1,97 @@
+"""What serving engines need on a CUDA GPU: CUDA-graph capture and replay, torch's current stream,
+and `torch.compile(mode="reduce-overhead")` (marked `gpu`: skipped cleanly without one).
+
+MLA decode is not here yet: its problem key needs the longest cached length, read back from the
+device, which a graph capture forbids (the MLA issue moves that off the host).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import rel_error
+
+import tileops
+from tileops.ops import get_spec
+
+pytestmark = pytest.mark.gpu
+
+CUDA = torch.device("cuda")
+
+# (operator, problem text, dtype, the call on make_inputs' tensors)
+CASES = [
+    ("gemm", "16x4096x4096", "bfloat16", lambda a, b, out_dtype: tileops.gemm(a, b)),
+    ("gemm", "1000x1024x512", "float16", lambda a, b, out_dtype: tileops.gemm(a, b)),
+    ("attention", "2x1000x1000x16x4x128:causal", "bfloat16",
+     lambda q, k, v, causal: tileops.flash_attention(q, k, v, causal=causal)),
+    ("mxfp4_gemm", "16x4096x4096", "bfloat16", lambda a, w, s: tileops.mxfp4_gemm(a, w, s)),
+]
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+@pytest.mark.parametrize(("op", "text", "dtype", "call"), CASES, ids=[c[0] + "-" + c[2]
+                                                                     for c in CASES])
+def test_captured_in_a_cuda_graph_and_replayed_on_new_data(op, text, dtype, call):
+    spec = get_spec(op)
+    problem = spec.parse_problem(text, dtype)
+    inputs = spec.make_inputs(problem, CUDA, seed=1)
+    call(*inputs)  # warm-up: resolve and compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call(*inputs)
+    for seed in (2, 3):
+        fresh = spec.make_inputs(problem, CUDA, seed=seed)
+        for mine, new in zip(inputs, fresh, strict=True):
+            if isinstance(mine, torch.Tensor):
+                mine.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = _first(spec.reference(fresh))
+        assert rel_error(_first(out), ref) < spec.tolerance(problem)
+
+
+def test_launches_go_on_the_current_stream():
+    # The inputs are written on a side stream right before the call there; a launch on another
+    # stream would read them half-written.
+    a = torch.empty(64, 4096, device=CUDA, dtype=torch.bfloat16)
+    w = torch.randn(4096, 4096, device=CUDA, dtype=torch.bfloat16)
+    tileops.gemm(a.normal_(), w.t())  # warm-up
+    side = torch.cuda.Stream()
+    for _ in range(5):
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(2_000_000)  # keeps the side stream busy
+            a.normal_()
+            out = tileops.gemm(a, w.t())
+            ref = a.double() @ w.double().t()
+        side.synchronize()
+        assert rel_error(out, ref) < 1e-2
+
+
+def test_reduce_overhead_compile_of_a_small_model():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(512, 3 * 512, bias=False, device=CUDA,
+                                       dtype=torch.bfloat16)
+
+        def forward(self, x):
+            q, k, v = tileops.gemm(x.flatten(0, 1), self.qkv.weight.t()).view(
+                *x.shape[:2], 3, 4, 128).unbind(2)
+            return tileops.flash_attention(q, k, v, causal=True).flatten(2)
+
+    model = Block()
+    compiled = torch.compile(model, mode="reduce-overhead")
+    with torch.no_grad():
+        for seed in range(3):
+            x = torch.randn(2, 256, 512, device=CUDA, dtype=torch.bfloat16,
+                            generator=torch.Generator(CUDA).manual_seed(seed))
+            got = compiled(x)
+            q, k, v = (x.flatten(0, 1) @ model.qkv.weight.t()).view(2, 256, 3, 4, 128).unbind(2)
+            want = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                is_causal=True).transpose(1, 2).flatten(2)
+            assert rel_error(got, want) < 2e-2
