@@ -49,8 +49,9 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype | None = No
     mode on) the call goes through the custom op, whose backward runs `gemm` again (gradients in
     the inputs' dtype).
     """
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled()
-                                         and (a.requires_grad or b.requires_grad)):
+    if torch.compiler.is_compiling() or (
+            torch.is_grad_enabled()  # getattr: not tensors at all is prepare's error to give
+            and (getattr(a, "requires_grad", False) or getattr(b, "requires_grad", False))):
         return _op(a, b, out_dtype)
     return DISPATCHER(GEMM, a, b, out_dtype)
 
