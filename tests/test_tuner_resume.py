@@ -250,8 +250,9 @@ def test_sigterm_to_a_parent_stops_its_workers_who_give_their_trials_back(tmp_pa
     while time.monotonic() < deadline:  # until a worker measures the launch that never returns
         st = studies.open_storage(str(storage)) if storage.exists() else None
         names = optuna.get_all_study_names(st) if st else []
-        if names and any(t.state == TrialState.RUNNING and tuner_helpers.fault(t.params) == "hang"
-                         and t.user_attrs.get(studies.CANDIDATE) for t in optuna.load_study(
+        # (a trial just asked has no parameters yet)
+        if names and any(t.state == TrialState.RUNNING and t.user_attrs.get(studies.CANDIDATE)
+                         and tuner_helpers.fault(t.params) == "hang" for t in optuna.load_study(
                              study_name=names[0], storage=st).get_trials(deepcopy=False)):
             time.sleep(2)  # compiled, and in its measurement
             break
