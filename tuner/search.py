@@ -122,6 +122,9 @@ def search(session: Session, study: optuna.Study, task: Task, limits: Limits,
                         compiled.append((*compiling.pop(number), outcome))
                 clock.lap("compile_wait")
                 if compiled and (session.overlap or not compiling):
+                    if not limits.time_left(started):
+                        stopped = "timeout"  # measure nothing after the deadline
+                        break
                     _measure(session, study, task, ledger, limits, compiled.popleft(), progress,
                              seed)
                     clock.lap("measure")
