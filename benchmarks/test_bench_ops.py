@@ -51,10 +51,10 @@ def test_case(benchmark, env, problem):
     _REPORT["cases"].append(case)
     benchmark.extra_info.update({k: case[k] for k in ("tileops_us", "baseline_us", "tile_us",
                                                       "chosen", "tflops", "gbps")})
-    inputs = spec.make_inputs(problem, device, seed=11)
+    args = spec.serving_args(spec.make_inputs(problem, device, seed=11))
 
     def user_call():
-        DISPATCHER(spec, *inputs)
+        DISPATCHER(spec, *args)
         synchronize(device)
 
     benchmark(user_call)

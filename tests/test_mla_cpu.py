@@ -11,10 +11,12 @@ import math
 import pytest
 import torch
 from helpers import rel_error
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import tileops
 from tileops import dispatch
 from tileops.ops.mla import MLA_DECODE, reference
+from tileops.spec import pow2_bucket
 from tileops.target import target_of
 
 CPU = torch.device("cpu")
@@ -159,12 +161,7 @@ def _bad(**change):
         ({"cache_seqlens": lambda s: s.long()}, TypeError, "cache_seqlens must be int32"),
         ({"block_table": lambda t: t[:1]}, ValueError, "block_table must be"),
         ({"cache_seqlens": lambda s: s[:1]}, ValueError, "cache_seqlens must be"),
-        ({"cache_seqlens": lambda s: torch.tensor([100, 0], dtype=torch.int32)}, ValueError,
-         "at least s_q"),
-        ({"cache_seqlens": lambda s: torch.tensor([100, 200], dtype=torch.int32)}, ValueError,
-         "block_table has 3 pages"),
-        ({"block_table": lambda t: t.masked_fill(t == t[1, 1], 99)}, ValueError, "entry 99"),
-        ({"block_table": lambda t: t.masked_fill(t == t[0, 0], -1)}, ValueError, "entry -1"),
+        ({"kv_cache": lambda kv: kv[:0]}, ValueError, "kv_cache has no blocks"),
         ({"kv_cache": lambda kv: kv.transpose(0, 1).contiguous().transpose(0, 1)}, ValueError,
          "contiguous"),
         ({"cache_seqlens": lambda s: s.to("meta")}, ValueError, "different devices"),
@@ -184,24 +181,209 @@ def test_bad_input_is_refused_clearly(change, exc, match):
         tileops.mla_decode(**_bad(**change))
 
 
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"cache_seqlens": lambda s: torch.tensor([100, 0], dtype=torch.int32)}, "at least s_q"),
+        ({"cache_seqlens": lambda s: torch.tensor([100, 200], dtype=torch.int32)},
+         "block_table has 3 pages"),
+        ({"block_table": lambda t: t.masked_fill(t == t[1, 1], 99)}, "entry 99"),
+        ({"block_table": lambda t: t.masked_fill(t == t[0, 0], -1)}, "entry -1"),
+    ],
+)
+def test_strict_mode_refuses_bad_tables_and_lengths(change, match):
+    args = _bad(**change)
+    with pytest.raises(ValueError, match=match):
+        tileops.mla_decode(**args, validate=True)
+    md = tileops.mla_metadata(args["cache_seqlens"], 16, 1, max_seqlen=100)
+    with pytest.raises(ValueError, match=match):  # metadata or not, strict mode checks
+        tileops.mla_decode(**args, validate=True, metadata=md)
+    out, lse = tileops.mla_decode(**args)  # the default clamps on the device instead
+    assert not out.isnan().any()
+
+
 def test_unused_table_entries_are_not_checked():
     q, kv, table, seqlens = paged([100, 10], 16, 1)
     table[1, 1:] = 10_000  # past sequence 1's pages: never read, so not an error
-    check(*tileops.mla_decode(q, kv, table, seqlens), reference(q, kv, table, seqlens), 1e-5)
+    check(*tileops.mla_decode(q, kv, table, seqlens, validate=True),
+          reference(q, kv, table, seqlens), 1e-5)
 
 
-def test_validate_false_skips_the_table_check():
+def test_the_default_checks_no_table_entry():
     call = MLA_DECODE.prepare(*_bad(block_table=lambda t: t.masked_fill(t == t[1, 1], 99))
-                              .values(), validate=False)
+                              .values())
     assert call.problem.seqlen == 128
     assert math.isclose(call.args.scale_log2, 576 ** -0.5 / math.log(2))
 
 
-def test_under_torch_compile():
+def _close(got, ref, tol):
+    """Like `check`, for results whose rows may have seen no key (zeros, lse -inf)."""
+    out, lse = got
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref[1]))
+    assert rel_error(out, ref[0]) < tol
+    assert (lse.double() - ref[1]).nan_to_num(nan=0.0).abs().max() < 1e-4
+
+
+def test_a_bad_table_or_bad_lengths_read_nothing_outside_the_cache():
+    # The cache sits between two NaN guard pages: any read past either end would put NaN in the
+    # result; ids and lengths far out of range would crash. The kernels clamp lengths into
+    # [0, 64 * max_blocks] and page ids into [0, num_blocks), as `reference` does.
+    q, kv, table, lens = paged([100, 70, 30], 16, 1, seed=4)
+    nb, width = kv.shape[0], table.shape[1]
+    guarded = torch.full((nb + 2, 64, 1, 576), float("nan"))
+    guarded[1:-1] = kv
+    cache = guarded[1:-1]
+    assert cache.is_contiguous() and cache.data_ptr() > guarded.data_ptr()
+    big, small = 2**31 - 1, -2**31
+    bad_tables = [table.masked_fill(table == table[0, 0], -1),
+                  table.masked_fill(table == table[0, 1], nb),
+                  table.masked_fill(table == table[1, 0], small),
+                  table.masked_fill(table == table[2, 0], big)]
+    bad_lens = [torch.tensor([-5, 70, width * 64 + 1000], dtype=torch.int32),
+                torch.tensor([big, small, 0], dtype=torch.int32)]
+    for t, n in [(t, lens) for t in bad_tables] + [(table, n) for n in bad_lens] \
+            + [(bad_tables[3], bad_lens[1])]:
+        _close(tileops.mla_decode(q, cache, t, n), reference(q, kv, t, n), 1e-5)
+    # A split kernel (some splits empty) on the same inputs, called directly.
+    config = {"block_H": 32, "block_N": 16, "num_splits": 3}
+    q2 = torch.cat([q, q.flip(0)], dim=1)  # s_q = 2
+    call = MLA_DECODE.prepare(q2, cache, bad_tables[2], bad_lens[0])
+    kernel = dispatch.compile_kernel(MLA_DECODE, call.problem, config, target_of(CPU))
+    _close(MLA_DECODE.launch(kernel, call.args), reference(q2, kv, bad_tables[2], bad_lens[0]),
+           1e-5)
+    _close(MLA_DECODE.launch_baseline(call.args), reference(q2, kv, bad_tables[2], bad_lens[0]),
+           1e-5)
+
+
+@pytest.mark.parametrize(("seqlens", "s_q", "dtype"),
+                         [([100, 70, 3], 1, torch.float32), ([190, 64], 2, torch.float16),
+                          ([300, 3], 1, torch.bfloat16)])
+def test_metadata_gives_the_bit_identical_result(seqlens, s_q, dtype):
+    inputs = paged(seqlens, 16, s_q, dtype, seed=len(seqlens))
+    md = tileops.mla_metadata(inputs[3], 16, s_q)
+    assert md == tileops.MlaMetadata(pow2_bucket(max(seqlens)), len(seqlens), 16, s_q)
+    assert MLA_DECODE.prepare(*inputs, metadata=md).problem == MLA_DECODE.prepare(*inputs).problem
+    plain = tileops.mla_decode(*inputs)
+    for got in (tileops.mla_decode(*inputs, metadata=md),
+                torch.ops.tileops.mla_decode(*inputs, metadata=md)):
+        assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+
+
+def test_metadata_only_chooses_the_kernel_never_the_result():
+    # Lengths grown past what the metadata was made from (a graph replayed on a later step):
+    # every key is still attended to.
+    q, kv, table, lens = paged([200, 150], 16, 1, seed=6)
+    md = tileops.mla_metadata(lens, 16, 1, max_seqlen=40)
+    assert MLA_DECODE.prepare(q, kv, table, lens, metadata=md).problem.seqlen == 64
+    check(*tileops.mla_decode(q, kv, table, lens, metadata=md), reference(q, kv, table, lens),
+          1e-5)
+
+
+def test_steps_of_one_bucket_share_their_metadata():
+    lens = torch.tensor([70, 100], dtype=torch.int32)
+    assert tileops.mla_metadata(lens, 16) == tileops.mla_metadata(lens + 28, 16)  # 128 both
+    assert tileops.mla_metadata(lens, 16) != tileops.mla_metadata(lens + 29, 16)
+    # Empty sequences: the same key with metadata as without.
+    q, kv, table, _ = paged([1, 1], 16, 2)
+    zeros = torch.zeros(2, dtype=torch.int32)
+    md = tileops.mla_metadata(zeros, 16, 2)
+    assert MLA_DECODE.prepare(q, kv, table, zeros, metadata=md).problem \
+        == MLA_DECODE.prepare(q, kv, table, zeros).problem
+
+
+class _Recorder(TorchDispatchMode):
+    """Records every aten op run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _host_reads_fail(monkeypatch):
+    def read(*args, **kwargs):
+        raise AssertionError("a tensor was read back to the host")
+
+    for name in ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__",
+                 "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, read)
+
+
+def test_with_metadata_the_call_reads_nothing_back(monkeypatch):
+    # On the host side the call may only allocate and take views: no reduction (whose result
+    # would have to be read), no _local_scalar_dense (item, int, bool), no tolist/cpu/numpy.
+    inputs = paged([100, 70, 3], 16, 2, seed=8)
+    md = tileops.mla_metadata(inputs[3], 16, 2)
+    want = tileops.mla_decode(*inputs)  # compiles outside the checked region
+    with _Recorder() as plain:
+        tileops.mla_decode(*inputs)
+    assert {"max", "_local_scalar_dense"} <= plain.ops  # the recorder sees a host read
+    with monkeypatch.context() as m:
+        _host_reads_fail(m)
+        with _Recorder() as rec:
+            got = tileops.mla_decode(*inputs, metadata=md)
+    assert rec.ops <= {"empty", "new_empty", "view"}, rec.ops
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_under_capture_the_key_comes_from_shapes(monkeypatch):
+    # CUDA-graph capture is simulated (a CPU tensor is never captured): without metadata the
+    # key's length is the table width's 64 * max_blocks, with no host read; strict mode and
+    # mla_metadata without max_seqlen refuse, as they would have to read the device.
+    from tileops import autotune
+
+    q, kv, table, lens = paged([100, 70], 16, 1, spare=3)  # 5 pages: 320 rows
+    monkeypatch.setattr(autotune, "capturing", lambda device: True)
+    with monkeypatch.context() as m:
+        _host_reads_fail(m)
+        call = MLA_DECODE.prepare(q, kv, table, lens)
+        assert call.problem.seqlen == 512 and call.args.max_keys == 320
+        md = tileops.mla_metadata(lens, 16, 1, max_seqlen=100)
+        assert MLA_DECODE.prepare(q, kv, table, lens, metadata=md).problem.seqlen == 128
+    with pytest.raises(RuntimeError, match="validate=True .* CUDA-graph capture"):
+        tileops.mla_decode(q, kv, table, lens, validate=True)
+    with pytest.raises(RuntimeError, match="pass max_seqlen"):
+        tileops.mla_metadata(lens, 16, 1)
+    check(*tileops.mla_decode(q, kv, table, lens), reference(q, kv, table, lens), 1e-5)
+
+
+@pytest.mark.parametrize(
+    ("make", "exc", "match"),
+    [
+        (lambda s: tileops.mla_metadata(s.long(), 16), TypeError, "int32 tensor, got int64"),
+        (lambda s: tileops.mla_metadata(s[:0], 16), ValueError, "batch >= 1"),
+        (lambda s: tileops.mla_metadata(s[None], 16), ValueError, "batch >= 1"),
+        (lambda s: tileops.mla_metadata([100, 70], 16), TypeError, "got list"),
+        (lambda s: tileops.mla_metadata(s, 24), ValueError, "h_q = 24"),
+        (lambda s: tileops.mla_metadata(s, 16, 3), ValueError, "s_q = 3"),
+        (lambda s: tileops.mla_metadata(s, 16, max_seqlen=-1), ValueError, "max_seqlen"),
+        (lambda s: tileops.mla_metadata(s, 16, max_seqlen=1.5), ValueError, "max_seqlen"),
+        (lambda s: tileops.mla_decode(**_bad(), metadata=tileops.mla_metadata(s, 32)),
+         ValueError, "made for batch 2, h_q 32, s_q 1; this call has batch 2, h_q 16"),
+        (lambda s: tileops.mla_decode(**_bad(), metadata=tileops.mla_metadata(s[:1], 16)),
+         ValueError, "made for batch 1"),
+        (lambda s: tileops.mla_decode(**_bad(), metadata=(100, 2)), TypeError,
+         "what tileops.mla_metadata returns"),
+        (lambda s: tileops.mla_decode(**_bad(), metadata=100), TypeError,
+         "what tileops.mla_metadata returns"),
+    ],
+)
+def test_bad_metadata_is_refused_clearly(make, exc, match):
+    with pytest.raises(exc, match=match):
+        make(torch.tensor([100, 70], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("with_metadata", [False, True])
+def test_under_torch_compile(with_metadata):
     inputs = paged([90, 20], 16, 1, seed=11)
+    md = tileops.mla_metadata(inputs[3], 16) if with_metadata else None
 
     def layer(q):
-        out, lse = tileops.mla_decode(q, *inputs[1:])
+        out, lse = tileops.mla_decode(q, *inputs[1:], metadata=md)
         return out * 2, lse
 
     compiled = torch.compile(layer, fullgraph=True)
@@ -216,17 +398,16 @@ def test_custom_op_is_registered():
 
 
 def test_a_row_that_sees_no_key_gets_zeros_and_minus_inf_as_in_attention():
-    # Unvalidated calls may ask for sequences shorter than s_q: an empty sequence, and with
-    # s_q = 2 a length of 1 leaves token 0 no key. Such rows used to come out NaN from the
-    # combine (-inf - -inf); flash_attention gives zeros and a log-sum-exp of -inf.
+    # Calls may ask for sequences shorter than s_q (strict mode refuses them): an empty
+    # sequence, and with s_q = 2 a length of 1 leaves token 0 no key. Such rows used to come out
+    # NaN from the combine (-inf - -inf); flash_attention gives zeros and a log-sum-exp of -inf.
     cases = [(1, [0, 70], {"block_H": 16, "block_N": 32, "num_splits": 1}, 16),
              (2, [0, 1, 150], {"block_H": 32, "block_N": 16, "num_splits": 3}, 2 * 16 + 16)]
     for s_q, seqlens, config, rows_without_keys in cases:
         q, kv, table, lens = paged([max(n, 1) for n in seqlens], 16, s_q, seed=s_q)
         lens = torch.tensor(seqlens, dtype=torch.int32)
-        problem = MLA_DECODE.prepare(q, kv, table, lens, validate=False).problem
-        kernel = dispatch.compile_kernel(MLA_DECODE, problem, config, target_of(CPU))
-        call = MLA_DECODE.prepare(q, kv, table, lens, validate=False)
+        call = MLA_DECODE.prepare(q, kv, table, lens)
+        kernel = dispatch.compile_kernel(MLA_DECODE, call.problem, config, target_of(CPU))
         out, lse = MLA_DECODE.launch(kernel, call.args)
         ref_out, ref_lse = reference(q, kv, table, lens)
         unseen = torch.isneginf(ref_lse).transpose(1, 2)  # (batch, s_q, h_q)
@@ -242,3 +423,14 @@ def test_nan_in_the_cache_propagates():
     out, lse = tileops.mla_decode(q, kv, table, lens)
     assert out[0].isnan().all() and lse[0].isnan().all()
     assert not out[1].isnan().any() and not lse[1].isnan().any()
+
+
+def test_serving_args_carry_the_steps_metadata():
+    # What benchmarks time as tileops_us: the call with metadata made once per step, before it.
+    inputs = paged([100, 70], 16, 2, seed=13)
+    args = MLA_DECODE.serving_args(inputs)
+    assert args[:4] == inputs and args[-1] == tileops.MlaMetadata(128, 2, 16, 2)
+    assert MLA_DECODE.prepare(*args).problem == MLA_DECODE.prepare(*inputs).problem
+    assert torch.equal(dispatch.DISPATCHER(MLA_DECODE, *args)[0], tileops.mla_decode(*inputs)[0])
+    gemm_inputs = (torch.randn(2, 3), torch.randn(3, 4))
+    assert tileops.get_spec("gemm").serving_args(gemm_inputs) is gemm_inputs

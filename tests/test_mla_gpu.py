@@ -69,12 +69,51 @@ def test_cuda_errors():
         tileops.mla_decode(q, kv, table, seqlens.cpu())
     table[0, 0] = kv.shape[0]
     with pytest.raises(ValueError, match="outside the cache"):
-        tileops.mla_decode(q, kv, table, seqlens)
+        tileops.mla_decode(q, kv, table, seqlens, validate=True)
+
+
+def test_a_bad_table_reads_nothing_outside_the_cache_cuda():
+    # NaN guard pages on both sides of the cache; ids and lengths far out of range. The kernels
+    # clamp them as `reference` does: no fault, no NaN, the reference's result.
+    problem = MLA_DECODE.Problem(3, 1024, 64, 2, "bfloat16")
+    q, kv, table, lens = MLA_DECODE.make_inputs(problem, CUDA, seed=5)
+    nb, width = kv.shape[0], table.shape[1]
+    guarded = torch.full((nb + 2, *kv.shape[1:]), float("nan"), device=CUDA, dtype=kv.dtype)
+    guarded[1:-1] = kv
+    cache = guarded[1:-1]
+    table[0, 3], table[1, 0], table[2, 5] = -1, nb, 2**31 - 1
+    lens = torch.tensor([1000, -7, width * 64 + 500], dtype=torch.int32, device=CUDA)
+    out, lse = tileops.mla_decode(q, cache, table, lens)
+    torch.cuda.synchronize()
+    ref = reference(q, kv, table, lens)
+    assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()  # length -7: no key
+    check(out[[0, 2]], lse[[0, 2]], (ref[0][[0, 2]], ref[1][[0, 2]]))
+
+
+def test_with_metadata_the_call_never_synchronises():
+    problem = MLA_DECODE.Problem(8, 4096, 128, 1, "bfloat16")
+    inputs = MLA_DECODE.make_inputs(problem, CUDA, seed=4)
+    md = tileops.mla_metadata(inputs[3], 128)
+    want = tileops.mla_decode(*inputs, metadata=md)  # compiles outside the checked region
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # a synchronising CUDA call raises
+    try:
+        got = tileops.mla_decode(*inputs, metadata=md)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(RuntimeError, match="synchroniz"):  # the check does see a read
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            tileops.mla_decode(*inputs)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_a_row_that_sees_no_key_gets_zeros_and_minus_inf_cuda(num_splits):
-    # Unvalidated calls may hold an empty sequence: its rows get zeros and -inf, as attention's.
+    # Calls may hold an empty sequence (strict mode refuses it): its rows get zeros and -inf, as
+    # attention's do.
     target = target_of(CUDA)
     problem = MLA_DECODE.Problem(2, 1024, 16, 1, "bfloat16")
     q, kv, table, lens = MLA_DECODE.make_inputs(problem, CUDA, seed=3)

@@ -1,8 +1,8 @@
 """What serving engines need on a CUDA GPU: CUDA-graph capture and replay, torch's current stream,
 and `torch.compile(mode="reduce-overhead")` (marked `gpu`: skipped cleanly without one).
 
-MLA decode is not here yet: its problem key needs the longest cached length, read back from the
-device, which a graph capture forbids (the MLA issue moves that off the host).
+MLA decode is captured with its per-step metadata (`tileops.mla_metadata`), which makes its
+problem key from the host alone, and without it (the key from the table width).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from helpers import rel_error
 
 import tileops
 from tileops.ops import get_spec
+from tileops.ops.mla import MLA_DECODE
 
 pytestmark = pytest.mark.gpu
 
@@ -52,6 +53,48 @@ def test_captured_in_a_cuda_graph_and_replayed_on_new_data(op, text, dtype, call
         torch.cuda.synchronize()
         ref = _first(spec.reference(fresh))
         assert rel_error(_first(out), ref) < spec.tolerance(problem)
+
+
+def _mla_step(problem, seed, seqlens):
+    """make_inputs' tensors for a decode step, with these lengths (within the table's width)."""
+    q, kv, table, _ = MLA_DECODE.make_inputs(problem, CUDA, seed=seed)
+    return q, kv, table, torch.tensor(seqlens, dtype=torch.int32, device=CUDA)
+
+
+@pytest.mark.parametrize("s_q", [1, 2])
+@pytest.mark.parametrize("with_metadata", [True, False])
+def test_mla_decode_captured_and_replayed_on_new_lengths(s_q, with_metadata):
+    # One graph per bucket, replayed on steps with new q, cache contents, tables and lengths (the
+    # same bucket): each replay gives what the eager call on that step's tensors gives.
+    problem = MLA_DECODE.Problem(4, 4096, 128, s_q, "bfloat16")
+    steps = [[4096, 3000, 2100, 4001], [2500, 4096, 3333, 2049], [4000, 4000, 2222, 3500]]
+    inputs = _mla_step(problem, 1, steps[0])
+    md = tileops.mla_metadata(inputs[3], 128, s_q) if with_metadata else None
+    tileops.mla_decode(*inputs, metadata=md)  # warm-up: resolve and compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = tileops.mla_decode(*inputs, metadata=md)
+    for seed, seqlens in enumerate(steps[1:], start=2):
+        fresh = _mla_step(problem, seed, seqlens)
+        for mine, new in zip(inputs, fresh, strict=True):
+            mine.copy_(new)
+        graph.replay()
+        eager = tileops.mla_decode(*fresh, metadata=md)
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager[0]) and torch.equal(lse, eager[1])
+        assert rel_error(out, MLA_DECODE.reference(fresh)[0]) < MLA_DECODE.tolerance(problem)
+
+
+def test_mla_decode_strict_mode_is_refused_inside_capture():
+    problem = MLA_DECODE.Problem(2, 1024, 16, 1, "bfloat16")
+    inputs = MLA_DECODE.make_inputs(problem, CUDA, seed=1)
+    md = tileops.mla_metadata(inputs[3], 16)
+    tileops.mla_decode(*inputs, metadata=md)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="validate=True"), torch.cuda.graph(graph):
+        tileops.mla_decode(*inputs, metadata=md, validate=True)
 
 
 def test_launches_go_on_the_current_stream():

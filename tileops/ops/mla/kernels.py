@@ -6,10 +6,13 @@ pages. Scores are Q.K^T over 576 channels, computed as the latent part (512) plu
 (64); values are the first 512 channels of the same rows. Softmax is online, in fp32, base 2.
 
 The batch, the number of cache pages and the block table's width are dynamic; sequence lengths are
-read from `cache_seqlens` at run time. Each sequence's key blocks are divided among `num_splits`
+read from `cache_seqlens` at run time. Nothing the table or the lengths hold can make a program
+read outside its tensors: a length is clamped into [0, 64 * table width] and a page id into
+[0, pages) where they are read (`seq_len`, `page_of`), so the host need not check them (a check
+would read them back and synchronise). Each sequence's key blocks are divided among `num_splits`
 CTAs; with more than one split every CTA writes an fp32 partial output and its log2-sum-exp, and a
 second small kernel combines them. Token t of s_q sees keys j < seqlen - (s_q - 1 - t); a row that
-sees no key (only unvalidated calls can ask for one) gets zeros and a log-sum-exp of -inf, as in
+sees no key (a sequence shorter than s_q, even empty) gets zeros and a log-sum-exp of -inf, as in
 flash_attention, and a NaN input gives NaN.
 
 Only a sequence's last key block can hold rows past its length or causally masked keys: the GPU
@@ -29,6 +32,16 @@ from ..online_softmax import FAST_MATH, online_softmax  # noqa: F401 (FAST_MATH:
 PAGE = 64  # cache page size (rows per block of kv_cache)
 D_LATENT, D_ROPE = 512, 64
 D_QK = D_LATENT + D_ROPE
+
+
+def seq_len(cache_seqlens, b, table_w):
+    """Sequence b's length, clamped into what its table row can address: [0, 64 * table_w]."""
+    return T.min(T.max(cache_seqlens[b], 0), table_w * PAGE)
+
+
+def page_of(block_table, b, pos, pages):
+    """The cache page holding key `pos` of sequence b, clamped into the cache: [0, pages)."""
+    return T.min(T.max(block_table[b, pos // PAGE], 0), pages - 1)
 
 
 def gpu_program(h_q: int, s_q: int, dtype: str, *, block_H: int, block_N: int, num_stages: int,
@@ -71,14 +84,14 @@ def gpu_program(h_q: int, s_q: int, dtype: str, *, block_H: int, block_N: int, n
         T.fill(m, neg_inf)
         T.fill(msc, 0)
 
-        seqlen = cache_seqlens[bx]
+        seqlen = seq_len(cache_seqlens, bx, table_w)
         n_blocks = T.ceildiv(seqlen, block_N)
         per_split = T.ceildiv(n_blocks, num_splits)
         start = bz * per_split
         end = T.min(start + per_split, n_blocks)
         for kk in T.Pipelined(T.max(end - start, 0), num_stages=num_stages):
             pos = (start + kk) * block_N
-            page = block_table[bx, pos // PAGE]
+            page = page_of(block_table, bx, pos, pages)
             off = pos % PAGE
             T.copy(KV[page, off:off + block_N, 0, 0:D_LATENT], K_s)
             T.copy(KV[page, off:off + block_N, 0, D_LATENT:D_QK], Kr_s)
@@ -195,13 +208,13 @@ def cpu_program(h_q: int, s_q: int, dtype: str, *, block_H: int, block_N: int, n
                 m[i] = neg_inf
                 msc[i] = 0.0
                 l[i] = 0.0
-            seqlen = cache_seqlens[bx]
+            seqlen = seq_len(cache_seqlens, bx, table_w)
             n_blocks = TC.ceildiv(seqlen, block_N)
             per_split = TC.ceildiv(n_blocks, num_splits)
             start = bz * per_split
             for kb in TC.serial(TC.max(TC.min(start + per_split, n_blocks) - start, 0)):
                 pos = (start + kb) * block_N
-                page = block_table[bx, pos // PAGE]
+                page = page_of(block_table, bx, pos, pages)
                 for j, c in TC.grid(block_N, D_QK):
                     k[j, c] = TC.if_then_else(pos + j < seqlen,
                                               to_f32(KV[page, pos % PAGE + j, 0, c], dtype), 0.0)

@@ -7,10 +7,18 @@ log-sum-exp of the scaled scores, lse (batch, h_q, s_q) fp32. With s_q = 2 (mult
 prediction) token t sees keys j < seqlen - (s_q - 1 - t).
 
 Problem key: (batch, seqlen bucket, h_q, s_q, dtype); the bucket is the next power of two at or
-above the longest sequence of the batch. The compiled kernel depends only on (h_q, s_q, dtype) and
-the configuration: batch, cache size, table width and the lengths are run-time values, so a
-serving loop whose batch changes compiles at most one kernel per distinct configuration (in
-practice per num_splits the heuristic or the database picks).
+above the longest sequence of the batch (taken as at least s_q and at most 64 * max_blocks). The
+compiled kernel depends only on (h_q, s_q, dtype) and the configuration: batch, cache size, table
+width and the lengths are run-time values, so a serving loop whose batch changes compiles at most
+one kernel per distinct configuration (in practice per num_splits the heuristic or the database
+picks).
+
+The kernels read every length on the device and clamp what they read (kernels.py), so the longest
+length only chooses the configuration, never the result, and the host need not know it exactly.
+Where it comes from (`_longest`), in order: `MlaMetadata` (`mla_metadata`, made once per decode
+step: no device read in the call), the strict check's read (`validate=True`), the table width
+(64 * max_blocks, the bound the kernels clamp to) while a CUDA graph is being captured, and
+otherwise one read of `cache_seqlens.max()`.
 
 The problem text of `parse_problem` is `B<batch>xS<seqlen>xH<h_q>` with an optional `xQ<s_q>`,
 e.g. `B64xS4096xH128` or `B4xS1000xH16xQ2`.
@@ -25,6 +33,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ... import autotune
 from ...spec import Backend, Call, Config, OpSpec, Space, check_scale, pow2_bucket, refuse_grad
 from ...target import Target
 from ..common import LOG2E
@@ -46,6 +55,53 @@ class MlaProblem(NamedTuple):
     dtype: str
 
 
+class MlaMetadata(NamedTuple):
+    """What the `mla_decode` calls of one decode step need to choose their kernel without reading
+    the device (FlashMLA's `get_mla_metadata` plays this part there); made by `mla_metadata`.
+
+    `seqlen_bucket`, the power of two at or above the longest length, is all the kernel choice
+    needs; holding the bucket rather than the length keeps the metadata of the steps of one bucket
+    equal (a `torch.compile`d caller is not recompiled per length). It chooses the configuration
+    only: a call whose lengths outgrow it still attends to every key (the kernels read the lengths
+    on the device), with a configuration chosen for shorter sequences. `batch`, `h_q`, `s_q` must
+    match the call's q.
+    """
+
+    seqlen_bucket: int
+    batch: int
+    h_q: int
+    s_q: int
+
+
+def mla_metadata(cache_seqlens: torch.Tensor, h_q: int, s_q: int = 1, *,
+                 max_seqlen: int | None = None) -> MlaMetadata:
+    """The metadata of one decode step, to pass to each layer's `mla_decode(..., metadata=md)`.
+
+    Reads `cache_seqlens.max()` back to the host once (a synchronisation), unless the caller
+    knows the longest length on the host already and passes `max_seqlen` (serving engines track
+    lengths on the CPU): then nothing is read, and it may be called inside CUDA-graph capture.
+    """
+    if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype != torch.int32:
+        raise TypeError("mla_metadata: cache_seqlens must be an int32 tensor, got "
+                        + (dtype_name(cache_seqlens.dtype) if isinstance(cache_seqlens, torch.Tensor)
+                           else type(cache_seqlens).__name__))
+    if cache_seqlens.dim() != 1 or cache_seqlens.shape[0] < 1:
+        raise ValueError(f"mla_metadata: cache_seqlens must be (batch >= 1,); got "
+                         f"{tuple(cache_seqlens.shape)}")
+    if h_q not in HEADS or s_q not in S_Q:
+        raise ValueError(f"mla_metadata: h_q = {h_q}, s_q = {s_q}; supported h_q {HEADS}, "
+                         f"s_q {S_Q}")
+    if max_seqlen is None:
+        if autotune.capturing(cache_seqlens.device):
+            raise RuntimeError("mla_metadata reads cache_seqlens.max() back to the host, which "
+                               "CUDA-graph capture forbids: call it before the capture, or pass "
+                               "max_seqlen")
+        max_seqlen = int(cache_seqlens.max())
+    elif isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise ValueError(f"mla_metadata: max_seqlen must be an int >= 0, got {max_seqlen!r}")
+    return MlaMetadata(pow2_bucket(max(max_seqlen, 1)), cache_seqlens.shape[0], h_q, s_q)
+
+
 class MlaArgs(NamedTuple):
     """What `prepare` hands to the launch: tensors as the kernel takes them and the exp2 scale."""
 
@@ -56,6 +112,8 @@ class MlaArgs(NamedTuple):
     scale_log2: float  # softmax_scale * log2(e): the kernels exponentiate in base 2
     s_q: int
     h_q: int
+    max_keys: int  # a bound on every clamped length, known on the host: the keys the baseline
+    # gathers (the longest length where it was read, else 64 * max_blocks)
 
 
 class _MlaKernel:
@@ -113,7 +171,7 @@ BACKENDS = {"cpu": Backend(kernels.cpu_program, functools.partial(_MlaKernel, cp
 class MlaDecodeSpec(OpSpec):
     name = "mla_decode"
     function = ("tileops.mla_decode(q, kv_cache, block_table, cache_seqlens, *, "
-                "softmax_scale=None, head_dim_v=512, validate=True)")
+                "softmax_scale=None, head_dim_v=512, metadata=None, validate=False)")
     problem_syntax = "B<batch>xS<seqlen>xH<h_q>[xQ<s_q>], e.g. B64xS4096xH128 or B4xS1000xH16xQ2"
     dtypes = SUPPORTED
     Problem = MlaProblem
@@ -132,11 +190,13 @@ class MlaDecodeSpec(OpSpec):
     # ---- problems -------------------------------------------------------------------------------
     def prepare(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                 cache_seqlens: torch.Tensor, softmax_scale: float | None = None,
-                head_dim_v: int = D_LATENT, validate: bool = True) -> Call:
+                head_dim_v: int = D_LATENT, validate: bool = False,
+                metadata: MlaMetadata | None = None) -> Call:
         try:
             B, s_q, h_q, d = q.shape
             _, page, h_kv, d_kv = kv_cache.shape
             ok = (d == D_QK and d_kv == D_QK and page == PAGE and h_kv == 1 and B >= 1
+                  and kv_cache.shape[0] >= 1
                   and head_dim_v == D_LATENT and h_q in HEADS and s_q in S_Q
                   and kv_cache.dtype is q.dtype and (q.dtype, q.is_cuda) in _ACCEPTED
                   and block_table.dtype is torch.int32 and cache_seqlens.dtype is torch.int32
@@ -151,14 +211,19 @@ class MlaDecodeSpec(OpSpec):
         if not ok:
             _refuse(q, kv_cache, block_table, cache_seqlens, head_dim_v)
         block_table, cache_seqlens = block_table.contiguous(), cache_seqlens.contiguous()
-        longest = _check_table(kv_cache, block_table, cache_seqlens, s_q, validate)
+        if metadata is not None:
+            metadata = _checked_metadata(metadata, B, h_q, s_q)
         if softmax_scale is None:
             softmax_scale = D_QK ** -0.5
         elif not check_scale(softmax_scale, "mla_decode") > 0:  # the kernels take the row max
             raise ValueError(f"mla_decode: softmax_scale must be positive, got {softmax_scale}")
-        problem = MlaProblem(B, pow2_bucket(longest), h_q, s_q, dtype_name(q.dtype))
+        longest, read = _longest(kv_cache, block_table, cache_seqlens, s_q, validate, metadata)
+        width = block_table.shape[1] * PAGE  # what the kernels clamp every length to
+        problem = MlaProblem(B, pow2_bucket(max(s_q, min(longest, width))), h_q, s_q,
+                             dtype_name(q.dtype))
         args = MlaArgs(q.contiguous().view(B, s_q * h_q, D_QK), kv_cache, block_table,
-                       cache_seqlens, float(softmax_scale) * LOG2E, s_q, h_q)
+                       cache_seqlens, float(softmax_scale) * LOG2E, s_q, h_q,
+                       min(max(read, 0), width) if read is not None else width)
         return Call(q.device, problem, args)
 
     def parse_problem(self, text: str, dtype: str) -> MlaProblem:
@@ -175,6 +240,12 @@ class MlaDecodeSpec(OpSpec):
             raise ValueError(f"bad MLA decode problem {text!r}: batch >= 1, h_q in {HEADS}, "
                              f"s_q in {S_Q} and seqlen >= s_q")
         return MlaProblem(B, pow2_bucket(S), H, s_q, dtype)
+
+    def serving_args(self, inputs: tuple) -> tuple:
+        """`inputs` with the step's metadata, as a serving engine passes them to every layer."""
+        q, _, _, cache_seqlens = inputs
+        md = mla_metadata(cache_seqlens, q.shape[2], q.shape[1])
+        return (*inputs, None, D_LATENT, False, md)
 
     # ---- configuration --------------------------------------------------------------------------
     def check_config(self, problem: MlaProblem, config: Config, target: Target) -> str | None:
@@ -196,9 +267,10 @@ class MlaDecodeSpec(OpSpec):
         return out
 
     def launch_baseline(self, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-        q, kv, table, seqlens, scale_log2, s_q, h_q = args
+        q, kv, table, seqlens, scale_log2, s_q, h_q, max_keys = args
         B = q.shape[0]
-        pages = -(-int(seqlens.max()) // PAGE)
+        pages = -(-max_keys // PAGE)
+        table, seqlens = clamped(kv, table, seqlens)
         used = torch.arange(pages, device=q.device) * PAGE < seqlens[:, None]
         ids = torch.where(used, table[:, :pages], 0)
         k = kv[ids].view(B, pages * PAGE, D_QK)  # gather each sequence's pages, in order
@@ -206,7 +278,9 @@ class MlaDecodeSpec(OpSpec):
         mask = _visible(seqlens, pages * PAGE, s_q, h_q)
         scores.masked_fill_(~mask, -math.inf)
         lse = torch.logsumexp(scores, dim=-1)
-        p = torch.softmax(scores, dim=-1).to(q.dtype)
+        # A row that sees no key: zeros, as the kernels give (softmax would give NaN).
+        p = torch.softmax(scores, dim=-1).masked_fill_(torch.isneginf(lse)[..., None], 0)
+        p = p.to(q.dtype)
         out = torch.matmul(p, k[..., :D_LATENT])
         return (out.view(B, s_q, h_q, D_LATENT),
                 lse.view(B, s_q, h_q).transpose(1, 2).contiguous())
@@ -263,12 +337,14 @@ def default_splits(ctas: int, seqlen: int, block_N: int, units: int) -> int:
 
 def reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
               cache_seqlens: torch.Tensor, softmax_scale: float | None = None,
-              head_dim_v: int = D_LATENT, validate: bool = True
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              head_dim_v: int = D_LATENT, validate: bool = False,
+              metadata: MlaMetadata | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) in float64 on q's device: each sequence's pages gathered into a contiguous K,
-    plain softmax."""
+    plain softmax. Lengths and page ids are clamped as the kernels clamp them (kernels.py), so a
+    bad table has a defined result."""
     scale = D_QK ** -0.5 if softmax_scale is None else softmax_scale
     B, s_q, h_q, _ = q.shape
+    block_table, cache_seqlens = clamped(kv_cache, block_table, cache_seqlens)
     out = torch.empty((B, s_q, h_q, D_LATENT), dtype=torch.float64, device=q.device)
     lse = torch.empty((B, h_q, s_q), dtype=torch.float64, device=q.device)
     for b, n in enumerate(cache_seqlens.tolist()):
@@ -284,6 +360,15 @@ def reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor
     return out, lse
 
 
+def clamped(kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The table and lengths as the kernels read them (`kernels.page_of`, `kernels.seq_len`):
+    page ids in [0, num_blocks), lengths in [0, 64 * max_blocks]; torch ops, no synchronisation.
+    """
+    return (block_table.clamp(0, kv_cache.shape[0] - 1),
+            cache_seqlens.clamp(0, block_table.shape[1] * PAGE))
+
+
 def _visible(seqlens: torch.Tensor, n: int, s_q: int, h_q: int) -> torch.Tensor:
     """(batch, s_q * h_q, n) mask of the keys each query row sees (the causal rule for s_q > 1)."""
     token = torch.arange(s_q * h_q, device=seqlens.device) // h_q
@@ -291,15 +376,51 @@ def _visible(seqlens: torch.Tensor, n: int, s_q: int, h_q: int) -> torch.Tensor:
     return torch.arange(n, device=seqlens.device)[None, None, :] < limit[:, :, None]
 
 
-def _check_table(kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
-                 s_q: int, validate: bool) -> int:
-    """The longest sequence; with `validate`, check lengths and the table entries they use.
+def _longest(kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+             s_q: int, validate: bool, metadata: MlaMetadata | None) -> tuple[int, int | None]:
+    """The longest length (or its bucket) the problem key is made from, and the longest length
+    read from the device (None: nothing was read). The order is the module docstring's."""
+    if validate:
+        if autotune.capturing(cache_seqlens.device):
+            raise RuntimeError("mla_decode: validate=True reads the table and lengths back to the "
+                               "host, which CUDA-graph capture forbids; validate outside the "
+                               "graph, or capture with validate=False (the kernels clamp every "
+                               "length and page id, so a bad table reads nothing outside the "
+                               "cache)")
+        read = _check_table(kv_cache, block_table, cache_seqlens, s_q)
+        return (metadata.seqlen_bucket if metadata is not None else read), read
+    if metadata is not None:
+        return metadata.seqlen_bucket, None
+    if autotune.capturing(cache_seqlens.device):
+        return block_table.shape[1] * PAGE, None
+    read = int(cache_seqlens.max())
+    return read, read
 
-    Costs one reduction over the table and one device-to-host copy of four numbers (the key's
-    seqlen bucket needs the longest length anyway, so `validate=False` saves only the reduction).
-    """
-    if not validate:
-        return int(cache_seqlens.max())
+
+def _checked_metadata(metadata: Any, B: int, h_q: int, s_q: int) -> MlaMetadata:
+    """`metadata` as an MlaMetadata (the custom op hands it over as a list of its ints), made
+    for a call of this batch, h_q and s_q: metadata of another step or model is a mistake."""
+    given = metadata
+    if type(metadata) is not MlaMetadata:  # the common case skips the conversion: every layer
+        try:
+            metadata = MlaMetadata(*metadata)
+        except TypeError:
+            metadata = None
+    if metadata is None or type(metadata.seqlen_bucket) is not int or metadata.seqlen_bucket < 0:
+        raise TypeError("mla_decode: metadata must be what tileops.mla_metadata returns, got "
+                        f"{given!r}")
+    if metadata[1:] != (B, h_q, s_q):
+        raise ValueError(f"mla_decode: metadata was made for batch {metadata.batch}, h_q "
+                         f"{metadata.h_q}, s_q {metadata.s_q}; this call has batch {B}, h_q "
+                         f"{h_q}, s_q {s_q}")
+    return metadata
+
+
+def _check_table(kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+                 s_q: int) -> int:
+    """The longest sequence, after checking the lengths and the table entries they use (the
+    strict mode, `validate=True`): one reduction over the table and one device-to-host copy of
+    four numbers, a synchronisation."""
     num_blocks, width = kv_cache.shape[0], block_table.shape[1]
     used = (torch.arange(width, device=block_table.device) * PAGE)[None, :] < cache_seqlens[:, None]
     ids = torch.where(used, block_table, 0)
@@ -333,6 +454,8 @@ def _refuse(q: Any, kv: Any, table: Any, seqlens: Any, head_dim_v: Any) -> None:
                          f"{tuple(kv.shape)}")
     if B < 1:
         raise ValueError("mla_decode: empty batch")
+    if kv.shape[0] < 1:
+        raise ValueError("mla_decode: kv_cache has no blocks")
     if h_q not in HEADS or s_q not in S_Q:
         raise ValueError(f"mla_decode: h_q = {h_q}, s_q = {s_q}; supported h_q {HEADS}, "
                          f"s_q {S_Q}")
