@@ -1,10 +1,12 @@
 """Benchmark any operator over a suite: tileops as a user calls it against the spec's baseline.
 
     python benchmarks/harness.py --suite gemm_llama [--dtype bfloat16] [--limit N] [--device auto]
-                                 [--jobs N]
+                                 [--jobs N] [--op NAME] [--where FIELD=V1,V2]
 
 For each problem, in one process on the same inputs and with the tuner's timer (CUDA events after
 warm-up, L2 flushed before each launch, median): the public call through dispatch (`tileops_us`),
+made as a serving engine makes it (`OpSpec.serving_args`: MLA decode's per-step metadata computed
+once, outside the timed region, as an engine computes it once per step for all its layers),
 the baseline (`baseline_us`), the best tile kernel on its own (`tile_us`, the configuration
 dispatch resolved, launched directly), and the library paths the spec reports beside the baseline
 (`beside_us`, e.g. SDPA's flash backend for attention). Writes `results/<device>/<op>.json` in
@@ -57,14 +59,15 @@ def run_case(spec: OpSpec, problem: tuple, target: Target, device: torch.device,
              timer: Timer) -> dict[str, Any]:
     """Time one problem three ways and check the user call against the reference."""
     inputs = spec.make_inputs(problem, device, seed=7)
-    call = spec.prepare(*inputs)
-    out = DISPATCHER(spec, *inputs)
+    args = spec.serving_args(inputs)  # what an engine computes once per step: not timed
+    call = spec.prepare(*args)
+    out = DISPATCHER(spec, *args)
     error = relative_error(out, spec.reference(inputs))
     if not error <= spec.tolerance(problem):
         raise AssertionError(f"{spec.problem_label(problem)}: relative error {error:.2e}")
     choice = DISPATCHER.choice(spec, target, call.problem)
     kernel = compile_kernel(spec, call.problem, choice.config, target)
-    tileops_us = timer.measure(lambda: DISPATCHER(spec, *inputs)).median_us
+    tileops_us = timer.measure(lambda: DISPATCHER(spec, *args)).median_us
     tile_us = timer.measure(lambda: spec.launch(kernel, call.args)).median_us
     baseline_us = timer.measure(lambda: spec.launch_baseline(call.args)).median_us
     beside = {name: timer.measure(run).median_us
@@ -104,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", help="comma-separated dtypes to keep (default: the suite's)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--limit", type=int, help="first N problems only")
+    ap.add_argument("--op", help="another spec of the suite's operator (e.g. mxfp4_gemm_packed: "
+                    "the same problems on a prepacked weight)")
+    ap.add_argument("--where", metavar="FIELD=V1,V2", help="only problems whose FIELD (e.g. M) "
+                    "is one of these values")
     ap.add_argument("--out", type=Path, help="default results/<device>/<op>.json")
     ap.add_argument("--resume", action="store_true", help="keep cases already in --out")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
@@ -111,7 +118,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     suite = suites.load(args.suite, args.dtype.split(",") if args.dtype else None)
-    spec = tileops.get_spec(suite.op)
+    spec = tileops.get_spec(args.op or suite.op)
+    if args.op and spec.Problem is not tileops.get_spec(suite.op).Problem:
+        ap.error(f"--op {args.op}: its problems are not those of suite {args.suite}")
+    problems = suite.problems
+    if args.where:
+        field, _, values = args.where.partition("=")
+        if field not in spec.Problem._fields:
+            ap.error(f"--where: {spec.name} problems have no field {field!r}")
+        keep = set(values.split(","))
+        problems = [p for p in problems if str(getattr(p, field)) in keep]
     target, device = resolve_device(args.device)
     out = args.out or RESULTS / device_dir(target) / f"{spec.name}.json"
     report = {"op": spec.name, "device": target.device, "baseline": spec.baseline_name,
@@ -122,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     timer = Timer(device)
     out.parent.mkdir(parents=True, exist_ok=True)
     todo = []
-    for problem in suite.problems[: args.limit]:
+    for problem in problems[: args.limit]:
         fields = spec.problem_dict(problem)
         key = json.dumps([{k: v for k, v in fields.items() if k != "dtype"}, fields.get("dtype")],
                          sort_keys=True)

@@ -8,7 +8,7 @@ from helpers import rel_error
 
 import tileops
 from tileops import dispatch
-from tileops.ops.mxfp4 import MXFP4_GEMM
+from tileops.ops.mxfp4 import MXFP4_GEMM, MXFP4_GEMM_PACKED
 from tileops.target import target_of
 
 pytestmark = pytest.mark.gpu
@@ -121,6 +121,53 @@ def test_every_code_under_every_scale_decodes_exactly_cuda(dequant, ctas_per_sm)
     dense = tileops.dequantize_mxfp4(w_fp4, w_scale, torch.bfloat16)
     want = (a.double() @ dense.double().t()).to(torch.bfloat16)
     assert not torch.isinf(want).any() and torch.isnan(want).any()  # overflowing rows: NaN
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(out), nan)
+    assert torch.equal(out[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+PACKED_CASES = [  # (M, N, K, config overrides): defaults (split-K), odd M, 64-deep steps
+    (1, 4096, 4096, {}), (16, 8192, 8192, {}), (7, 6144, 4096, {"block_K": 128}),
+    (64, 4096, 14336, {"block_M": 64}), (33, 2880, 2880, {"block_K": 64, "split_k": 1}),
+    (300, 1024, 1024, {"block_M": 64, "split_k": 1})]
+
+
+@pytest.mark.parametrize(("M", "N", "K", "overrides"), PACKED_CASES)
+def test_prepacked_weight_cuda(M, N, K, overrides):
+    """Every element written (NaN-poisoned output) and right, through a direct launch of the
+    configuration and through `tileops.mxfp4_gemm(a, packed)`."""
+    target = target_of(CUDA)
+    w_fp4, w_scale = weight(N, K, M + N)
+    packed = tileops.prepack_mxfp4(w_fp4, w_scale)
+    a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    ref = a.double() @ tileops.dequantize_mxfp4(w_fp4, w_scale, torch.float64).t()
+    call = MXFP4_GEMM_PACKED.prepare(a, packed)
+    config = {**MXFP4_GEMM_PACKED.default_config(call.problem, target), **overrides}
+    assert MXFP4_GEMM_PACKED.check_config(call.problem, config, target) is None
+    kernel = dispatch.compile_kernel(MXFP4_GEMM_PACKED, call.problem, config, target)
+    poisoned = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = MXFP4_GEMM_PACKED.launch(kernel, call.args, out=poisoned)
+    assert not torch.isnan(out).any() and rel_error(out, ref) < 1e-2
+    assert torch.equal(tileops.mxfp4_gemm(a, packed).isnan(), torch.zeros_like(out, dtype=bool))
+    assert torch.equal(tileops.prepack_mxfp4(w_fp4, w_scale).unpack()[0], w_fp4)
+
+
+def test_prepacked_every_code_under_every_scale_decodes_exactly_cuda():
+    """As the OCP kernels' test above: the decoded weight, bit for bit (NaN where the format's
+    product is NaN)."""
+    target = target_of(CUDA)
+    N, K = 256, 64
+    codes = torch.arange(16, dtype=torch.uint8, device="cuda").repeat(N, K // 16)
+    w_fp4 = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    w_scale = torch.arange(N, dtype=torch.uint8, device="cuda").unsqueeze(1).repeat(1, K // 32)
+    a = torch.eye(16, K, device="cuda", dtype=torch.bfloat16)
+    call = MXFP4_GEMM_PACKED.prepare(a, tileops.prepack_mxfp4(w_fp4, w_scale))
+    config = {**MXFP4_GEMM_PACKED.default_config(call.problem, target), "split_k": 1,
+              "block_K": 64}
+    kernel = dispatch.compile_kernel(MXFP4_GEMM_PACKED, call.problem, config, target)
+    out = MXFP4_GEMM_PACKED.launch(kernel, call.args)
+    dense = tileops.dequantize_mxfp4(w_fp4, w_scale, torch.bfloat16)
+    want = (a.double() @ dense.double().t()).to(torch.bfloat16)
     nan = torch.isnan(want)
     assert torch.equal(torch.isnan(out), nan)
     assert torch.equal(out[~nan].view(torch.int16), want[~nan].view(torch.int16))

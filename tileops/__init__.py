@@ -12,8 +12,8 @@ from .dispatch import reset
 from .ops import SPECS, get_spec
 from .ops.attention import flash_attention
 from .ops.gemm import gemm
-from .ops.mla import mla_decode
-from .ops.mxfp4 import dequantize_mxfp4, mxfp4_gemm, quantize_mxfp4
+from .ops.mla import MlaMetadata, mla_decode, mla_metadata
+from .ops.mxfp4 import PrepackedMxfp4, dequantize_mxfp4, mxfp4_gemm, prepack_mxfp4, quantize_mxfp4
 from .target import Target, target_of
 from .version import __version__
 
@@ -24,9 +24,9 @@ if importlib.util.find_spec(f"{__name__}.tuner") is None \
         and (_CHECKOUT / "tuner" / "__init__.py").is_file():
     __path__.append(str(_CHECKOUT))
 
-__all__ = ["SPECS", "Target", "__version__", "dequantize_mxfp4", "flash_attention", "gemm",
-           "get_spec", "mla_decode", "mxfp4_gemm", "quantize_mxfp4", "reset", "set_autotune",
-           "target_of", "tune"]
+__all__ = ["SPECS", "MlaMetadata", "PrepackedMxfp4", "Target", "__version__", "dequantize_mxfp4",
+           "flash_attention", "gemm", "get_spec", "mla_decode", "mla_metadata", "mxfp4_gemm",
+           "prepack_mxfp4", "quantize_mxfp4", "reset", "set_autotune", "target_of", "tune"]
 
 
 def tune(op: str, shapes: str | Sequence[str], *, device: str = "auto", trials: int = 32,

@@ -141,7 +141,7 @@ class Dispatcher:
         choice = self.choice(spec, target, problem)
         if choice.source == "default":
             choice = self._tuned_on_first_use(spec, target, device, problem) or choice
-        if choice.use_baseline:
+        if choice.use_baseline and spec.dispatches_baseline:
             launcher: Launcher = spec.launch_baseline
         else:
             kernel = self._compile_choice(spec, target, problem, choice)

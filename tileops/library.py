@@ -19,16 +19,19 @@ _LIBRARY = torch.library.Library("tileops", "DEF")
 
 
 def register(spec: OpSpec, schema: str, fake: Callable[..., torch.Tensor],
-             autograd: tuple[Callable, Callable] | None = None):
+             autograd: tuple[Callable, Callable] | None = None,
+             impl: Callable[..., torch.Tensor] | None = None):
     """Define `tileops::<spec.name>` with `schema`, backed by the dispatcher; return the op.
 
     `autograd` is the operator's (setup_context, backward), as `torch.library.register_autograd`
     takes them. Without one, the fake implementation refuses inputs that require grad (as
-    `spec.prepare` does in eager calls): a compiled graph would drop the gradients."""
+    `spec.prepare` does in eager calls): a compiled graph would drop the gradients. `impl` maps
+    the schema's arguments to the dispatcher's where they differ (a weight object as tensors)."""
     _LIBRARY.define(f"{spec.name}{schema}")
 
-    def impl(*args):
-        return DISPATCHER(spec, *args)
+    if impl is None:
+        def impl(*args):
+            return DISPATCHER(spec, *args)
 
     signature = inspect.signature(fake)
 

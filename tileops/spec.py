@@ -137,6 +137,10 @@ class OpSpec(abc.ABC):
     # were chosen for another regime (decode tiles for a prefill, say) and the default is safer.
     nearest_within: ClassVar[float] = 1.0
     baseline_name: ClassVar[str]
+    # Whether dispatch runs the baseline where a record says it wins. False where the baseline
+    # needs inputs the call does not hold (a prepacked weight's dense form): the tile kernel
+    # that ran up beside it serves instead.
+    dispatches_baseline: ClassVar[bool] = True
     # Targets with no kernel, and why: a kind ("metal") or a kind and an arch prefix ("hip:gfx11",
     # where TileLang lowers for some archs of a kind and not others). Kinds with no table in
     # configs/<op>.toml, or no entry in `backends`, have none either.
@@ -147,6 +151,13 @@ class OpSpec(abc.ABC):
     @abc.abstractmethod
     def prepare(self, *args: Any, **kwargs: Any) -> Call:
         """Validate a user call (clear TypeError/ValueError) and derive its problem key."""
+
+    def serving_args(self, inputs: tuple) -> tuple:
+        """The positional arguments of `prepare` (and the dispatcher) a serving engine passes for
+        `inputs` (`make_inputs`' tensors), what it computes once per step rather than per call
+        (MLA's scheduler metadata) computed here: benchmarks time the call as such an engine
+        makes it, with that work outside the timed region."""
+        return inputs
 
     @abc.abstractmethod
     def parse_problem(self, text: str, dtype: str) -> tuple:

@@ -6,9 +6,10 @@ from ..spec import OpSpec
 from .attention import ATTENTION
 from .gemm import GEMM
 from .mla import MLA_DECODE
-from .mxfp4 import MXFP4_GEMM
+from .mxfp4 import MXFP4_GEMM, MXFP4_GEMM_PACKED
 
-SPECS: dict[str, OpSpec] = {spec.name: spec for spec in (GEMM, MXFP4_GEMM, ATTENTION, MLA_DECODE)}
+SPECS: dict[str, OpSpec] = {spec.name: spec for spec in (GEMM, MXFP4_GEMM, MXFP4_GEMM_PACKED,
+                                                          ATTENTION, MLA_DECODE)}
 
 
 def get_spec(name: str) -> OpSpec:

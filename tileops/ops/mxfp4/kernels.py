@@ -44,7 +44,7 @@ def _nibble(word, k):
                          T.uint32(15))
 
 
-def _code_value_bits(code):
+def code_value_bits(code):
     """fp32 value of an E2M1 code, assembled from its fields: sign, exponent e, mantissa m."""
     e = T.bitwise_and(T.shift_right(code, T.uint32(1)), T.uint32(3))
     m = T.bitwise_and(code, T.uint32(1))
@@ -183,7 +183,7 @@ def gpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block
             T.copy(S_s[0:block_N, s0:s0 + per_step], S_f)
         for n, kk in T.Parallel(block_N, block_K):
             code = _nibble(W_f[n, kk // 8], kk)
-            value = table[code] if lut else _code_value_bits(code)
+            value = table[code] if lut else code_value_bits(code)
             scale = S_s[n, s0 + kk // BLOCK] if reg else S_f[n, kk // BLOCK]
             B_s[n, kk] = T.cast(value * _scale(scale), dtype)
 
@@ -276,7 +276,7 @@ def _dequantize(W, S, out, n_rows, k, dtype):
         for r, c in T.Parallel(DEQUANT_ROWS, DEQUANT_COLS):
             row, col = bx * DEQUANT_ROWS + r, by * DEQUANT_COLS + c
             if row < n_rows and col < k:
-                out[row, col] = T.cast(_code_value_bits(_nibble(W[row, col // 8], col))
+                out[row, col] = T.cast(code_value_bits(_nibble(W[row, col // 8], col))
                                        * _scale(S[row, col // BLOCK]), dtype)
 
 
@@ -284,12 +284,24 @@ def cpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block
                 dequant: str):
     """The CPU form, for TileLang's C target: each program instance decodes a block_K x block_N
     weight tile into a local fp32 buffer and accumulates its product with the A tile."""
-    M = TC.dynamic("m")
     lut = dequant == "lut"
 
+    def element(W, S, table, n, k):
+        code = _nibble(W[n, k // 8], k)
+        return (table[code] if lut else code_value_bits(code)) * _scale(S[n, k // BLOCK])
+
+    return cpu_tiles(N, K, dtype, (N, K // 8), "int32", (N, K // BLOCK), "uint8", element, lut,
+                      block_M=block_M, block_N=block_N, block_K=block_K)
+
+
+def cpu_tiles(N, K, dtype, w_shape, w_dtype, s_shape, s_dtype, element, lut, *, block_M,
+               block_N, block_K):
+    """The CPU tile loop around `element(W, S, table, n, k)`, the decoded weight element."""
+    M = TC.dynamic("m")
+
     @TC.prim_func
-    def mxfp4_gemm(A: TC.Tensor((M, K), bits(dtype)), W: TC.Tensor((N, K // 8), "int32"),
-                   S: TC.Tensor((N, K // BLOCK), "uint8"), C: TC.Tensor((M, N), bits(dtype))):
+    def mxfp4_gemm(A: TC.Tensor((M, K), bits(dtype)), W: TC.Tensor(w_shape, w_dtype),
+                   S: TC.Tensor(s_shape, s_dtype), C: TC.Tensor((M, N), bits(dtype))):
         with TC.Kernel(TC.ceildiv(N, block_N), TC.ceildiv(M, block_M)) as (bx, by):
             a = TC.alloc_local((block_M, block_K), ACCUM)
             b = TC.alloc_local((block_K, block_N), ACCUM)
@@ -304,9 +316,7 @@ def cpu_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block
                 for kk, j in TC.grid(block_K, block_N):
                     n, k = bx * block_N + j, ko * block_K + kk
                     if n < N and k < K:
-                        code = _nibble(W[n, k // 8], k)
-                        value = table[code] if lut else _code_value_bits(code)
-                        b[kk, j] = value * _scale(S[n, k // BLOCK])
+                        b[kk, j] = element(W, S, table, n, k)
                     else:
                         b[kk, j] = 0.0
                 accumulate(acc, a, b)

@@ -59,8 +59,14 @@ class PackedWeight:
         return self._dense
 
 
+def _rows_for(M: int, allowed: list[int]) -> int:
+    """The smallest token tile of the space that covers M (else the largest)."""
+    return min((b for b in allowed if b >= M), default=max(allowed))
+
+
 def _cpu_default(problem: Mxfp4Problem, target: Target, space: Space) -> Config:
-    return {"block_M": min(problem.M, 32), "block_N": 32, "block_K": 64, "dequant": "bits"}
+    return {"block_M": _rows_for(problem.M, space["block_M"]), "block_N": 32, "block_K": 64,
+            "dequant": "bits"}
 
 
 def _hip_default(problem: Mxfp4Problem, target: Target, space: Space) -> Config:

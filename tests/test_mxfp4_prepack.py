@@ -1,0 +1,129 @@
+"""The prepacked MXFP4 weight: its layout round-trips bit for bit, the CPU kernel reading it agrees
+with the OCP path exactly, bad input is refused, and the sm_90a kernel lowers and compiles."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from test_codegen import A100, H200
+
+import tileops
+from tileops.dispatch import lower
+from tileops.ops.mxfp4 import MXFP4_GEMM_PACKED, PrepackedMxfp4
+from tileops.ops.mxfp4.prepack import LAYOUT
+
+
+def random_ocp(N: int, K: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=gen),
+            torch.randint(0, 256, (N, K // 32), dtype=torch.uint8, generator=gen))
+
+
+@pytest.mark.parametrize(("N", "K"), [(16, 64), (48, 192), (256, 512)])
+def test_prepack_round_trips_every_bit(N, K):
+    w_fp4, w_scale = random_ocp(N, K, N + K)
+    w_scale[0, 0], w_scale[-1, -1] = 0, 255  # the subnormal and the NaN scale
+    packed = tileops.prepack_mxfp4(w_fp4, w_scale)
+    assert packed.words.shape == (N // 16, K // 64 * 128) and packed.words.dtype == torch.int32
+    assert packed.scales.shape == (N // 16, K // 64 * 32) and packed.scales.dtype == torch.int16
+    back = packed.unpack()
+    assert torch.equal(back[0], w_fp4) and torch.equal(back[1], w_scale)
+
+
+def test_a_lane_reads_its_fragment_from_one_word():
+    """Lane 13's word 3 of atom (1, 2): nibble 5 is fragment element 5 (pair 2: row l // 4,
+    columns 8 + 2 (l % 4) + 1 of k-step 3), as the kernel's decode assumes."""
+    w_fp4, w_scale = random_ocp(48, 192, 5)
+    codes = torch.stack((w_fp4 & 15, w_fp4 >> 4), dim=-1).view(48, 192)
+    packed = tileops.prepack_mxfp4(w_fp4, w_scale)
+    lane, word, nibble = 13, 3, 5
+    row, col = 16 + lane // 4, 128 + 16 * word + 8 + 2 * (lane % 4) + 1
+    got = (int(packed.words[1, 128 * 2 + 4 * lane + word]) >> (4 * nibble)) & 15
+    assert got == int(codes[row, col])
+
+
+@pytest.mark.parametrize(("M", "N", "K"), [(1, 32, 64), (5, 48, 192), (33, 64, 128)])
+def test_cpu_kernel_on_the_prepacked_weight_equals_the_ocp_path(M, N, K):
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(M))
+    w_fp4, w_scale = tileops.quantize_mxfp4(w)
+    a = torch.randn(M, K, generator=torch.Generator().manual_seed(K)).bfloat16()
+    packed = tileops.prepack_mxfp4(w_fp4, w_scale)
+    assert torch.equal(tileops.mxfp4_gemm(a, packed), tileops.mxfp4_gemm(a, w_fp4, w_scale))
+
+
+def test_bad_input_is_refused():
+    w_fp4, w_scale = random_ocp(48, 192)
+    with pytest.raises(ValueError, match="16x64 atoms"):
+        tileops.prepack_mxfp4(w_fp4[:40], w_scale[:40])
+    with pytest.raises(ValueError, match="16x64 atoms"):
+        tileops.prepack_mxfp4(w_fp4[:, :48], w_scale[:, :3])
+    with pytest.raises(TypeError, match="uint8"):
+        tileops.prepack_mxfp4(w_fp4.int(), w_scale)
+    packed = tileops.prepack_mxfp4(w_fp4, w_scale)
+    a = torch.randn(3, 192).bfloat16()
+    with pytest.raises(TypeError, match="bfloat16 a"):
+        tileops.mxfp4_gemm(a.half(), packed)
+    with pytest.raises(ValueError, match="K = 192"):
+        tileops.mxfp4_gemm(a[:, :128], packed)
+    with pytest.raises(TypeError, match="no w_scale"):
+        tileops.mxfp4_gemm(a, packed, w_scale)
+    with pytest.raises(TypeError, match="w_scale is missing"):
+        tileops.mxfp4_gemm(a, w_fp4)
+    old = PrepackedMxfp4(packed.words, packed.scales, 48, 192, layout="something-else")
+    with pytest.raises(ValueError, match=LAYOUT):
+        tileops.mxfp4_gemm(a, old)
+
+
+def source(M: int, N: int, K: int, **config) -> str:
+    problem = MXFP4_GEMM_PACKED.parse_problem(f"{M}x{N}x{K}", "bfloat16")
+    config = {**MXFP4_GEMM_PACKED.default_config(problem, H200), **config}
+    assert MXFP4_GEMM_PACKED.check_config(problem, config, H200) is None
+    return lower(MXFP4_GEMM_PACKED.build(problem, config, H200), H200).kernel_source
+
+
+def test_the_decoded_weight_feeds_wgmma_from_registers():
+    src = source(16, 4096, 4096)
+    assert "tileops_mxfp4_rs_decode(" in src and "wgmma_rs" in src
+    assert "partials" in src  # the default splits K for 4096 x 4096 (64 tiles on 132 SMs)
+
+
+def test_only_hopper_takes_the_prepacked_kernel():
+    problem = MXFP4_GEMM_PACKED.parse_problem("16x4096x4096", "bfloat16")
+    config = MXFP4_GEMM_PACKED.default_config(problem, H200)
+    assert "sm_90" in MXFP4_GEMM_PACKED.check_config(problem, config, A100)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_compiles_with_nvcc():
+    problem = MXFP4_GEMM_PACKED.parse_problem("16x4096x4096", "bfloat16")
+    config = MXFP4_GEMM_PACKED.default_config(problem, H200)
+    lower(MXFP4_GEMM_PACKED.build(problem, config, H200), H200, device_compile=True)
+
+
+def test_dispatch_never_runs_the_baseline_of_a_prepacked_weight(monkeypatch):
+    """A record may say cuBLAS on the dense weight wins; a prepacked call holds no dense weight,
+    so dispatch runs the record's tile kernel rather than decode the weight at every call."""
+    from tileops import dispatch
+    from tileops.db.layers import Choice
+
+    w_fp4, w_scale = random_ocp(32, 64)
+    packed = tileops.prepack_mxfp4(w_fp4, w_scale)
+    a = torch.randn(2, 64).bfloat16()
+    dispatch.reset()
+    want = tileops.mxfp4_gemm(a, packed)
+    real = dispatch.DISPATCHER.choice
+
+    def baseline_wins(spec, target, problem):
+        choice = real(spec, target, problem)
+        return Choice(choice.config, "user", True, True, None)
+
+    monkeypatch.setattr(dispatch.DISPATCHER, "choice", baseline_wins)
+    monkeypatch.setattr(MXFP4_GEMM_PACKED, "launch_baseline",
+                        lambda args: pytest.fail("ran the baseline"))
+    try:
+        dispatch.reset()
+        assert torch.equal(tileops.mxfp4_gemm(a, packed), want)
+    finally:
+        dispatch.reset()

@@ -1,0 +1,165 @@
+"""MXFP4 GEMM on a prepacked weight: `tileops.mxfp4_gemm(a, prepack_mxfp4(w_fp4, w_scale))`.
+
+The same operator as `mxfp4_gemm` on the OCP tensors (problems, baseline, reference and roofline
+are that spec's), with its own kernel family: the weight arrives in the register-decoding
+kernel's order (prepack.py), so it is tuned, recorded and dispatched on its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...spec import Backend, Call, Config, Space, refuse_grad
+from ...target import Target
+from ..host import BitsAdapter, check_decode_knobs, decode_split_k, dtype_name, gpu_adapter
+from . import packed_kernels
+from .constants import ATOM_K, ATOM_ROWS, BLOCK
+from .format import dequantize_mxfp4
+from .prepack import LAYOUT, PrepackedMxfp4, prepack_mxfp4, unpack
+from .spec import Mxfp4GemmSpec, Mxfp4Problem, _rows_for
+
+SUPPORTED = ("bfloat16",)  # the decode builds bf16 pairs
+
+
+class PackedArgs:
+    """A call's prepacked weight, and its dense form once the baseline has needed it."""
+
+    __slots__ = ("packed", "_dense")
+
+    def __init__(self, packed: PrepackedMxfp4):
+        self.packed, self._dense = packed, None
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        if self._dense is None:
+            self._dense = dequantize_mxfp4(*unpack(self.packed), dtype)
+        return self._dense
+
+
+def _cpu_default(problem: Mxfp4Problem, target: Target, space: Space) -> Config:
+    return {"block_M": _rows_for(problem.M, space["block_M"]), "block_N": 32, "block_K": 64}
+
+
+def _cuda_default(problem: Mxfp4Problem, target: Target, space: Space) -> Config:
+    """One consumer warpgroup (64 weight rows), 256-deep K steps in four stages, the K splits
+    that give two CTAs per SM; the tokens ride wgmma's N side, 16 to 64 at a time."""
+    block_K = 256 if problem.K % 256 == 0 else ATOM_K
+    return {"block_M": min(max(problem.M, 16), 64), "block_K": block_K, "num_stages": 4,
+            "threads": 128,
+            "split_k": decode_split_k(problem.N, problem.K, 64, block_K, target.units or 132)}
+
+
+def _check_cuda(problem: Mxfp4Problem, config: Config, target: Target) -> str | None:
+    bm, bk, threads = config["block_M"], config["block_K"], config["threads"]
+    if not target.is_hopper:
+        return ("the prepacked kernel feeds wgmma from registers: sm_90 only (call "
+                "mxfp4_gemm(a, w_fp4, w_scale) elsewhere)")
+    if bk % ATOM_K or problem.K % bk:
+        return f"block_K {bk} must be a multiple of {ATOM_K} dividing K = {problem.K}"
+    if bk > 256:
+        return f"block_K {bk}: {bk // 4} registers of decoded weight per thread (> 64)"
+    if threads != 128:  # two warpgroups' A fragments are not laid out one atom row per warp
+        return f"{threads} threads: the prepacked kernel has one consumer warpgroup (128)"
+    block_N = threads // 32 * ATOM_ROWS
+    if problem.N % block_N:
+        return f"{threads} threads take {block_N} weight rows, which do not divide N = {problem.N}"
+    stages = config["num_stages"]
+    smem = stages * (bm * bk * 2 + block_N * bk // 2 + block_N * bk // BLOCK * 2) + bm * block_N * 4
+    if smem > 227 * 1024:
+        return f"shared memory {smem // 1024} KiB > 227 KiB"
+    knobs = {**config, "block_N": block_N, "swap_ab": 1}
+    return check_decode_knobs(problem.M, problem.K, knobs, target.arch, min_block_M=16)
+
+
+def _check_cpu(problem: Mxfp4Problem, config: Config, target: Target) -> str | None:
+    return None
+
+
+BACKENDS = {"cpu": Backend(packed_kernels.cpu_packed_program, BitsAdapter, check=_check_cpu,
+                           default=_cpu_default),
+            "cuda": Backend(packed_kernels.packed_program, gpu_adapter, check=_check_cuda,
+                            default=_cuda_default)}
+
+
+class Mxfp4PackedSpec(Mxfp4GemmSpec):
+    name = "mxfp4_gemm_packed"
+    function = "tileops.mxfp4_gemm(a, tileops.prepack_mxfp4(w_fp4, w_scale))"
+    problem_syntax = "MxNxK (weight N x K, N a multiple of 16, K of 64), e.g. 16x4096x4096"
+    dtypes = {"cuda": SUPPORTED, "cpu": SUPPORTED}
+    kernel_module = packed_kernels.__name__
+    backends = BACKENDS
+    dispatches_baseline = False  # the dense weight would be decoded again at every call
+
+    def prepare(self, a: torch.Tensor, packed: PrepackedMxfp4) -> Call:
+        try:
+            M, K = a.shape
+            ok = (isinstance(packed, PrepackedMxfp4) and packed.layout == LAYOUT
+                  and a.dtype is torch.bfloat16 and K == packed.K and M > 0
+                  and a.device == packed.device
+                  and not (a.requires_grad and torch.is_grad_enabled()))
+        except (AttributeError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            self._refuse_packed(a, packed)
+        if not a.is_contiguous():
+            a = a.contiguous()
+        problem = Mxfp4Problem(1 << (M - 1).bit_length(), packed.N, K, "bfloat16")
+        return Call(a.device, problem, (a, PackedArgs(packed)))
+
+    def _refuse_packed(self, a: Any, packed: Any) -> None:
+        if not isinstance(packed, PrepackedMxfp4):
+            raise TypeError("mxfp4_gemm(a, packed): packed must come from tileops.prepack_mxfp4, "
+                            f"got {type(packed).__name__}")
+        if packed.layout != LAYOUT:
+            raise ValueError(f"mxfp4_gemm: the weight was prepacked as {packed.layout!r}; this "
+                             f"build reads {LAYOUT!r}: prepack it again")
+        if not isinstance(a, torch.Tensor):
+            raise TypeError(f"mxfp4_gemm: a must be a tensor, got {type(a).__name__}")
+        if a.dim() != 2:
+            raise ValueError(f"mxfp4_gemm expects a 2-D a (M, K); got shape {tuple(a.shape)}")
+        if a.dtype is not torch.bfloat16:
+            raise TypeError(f"mxfp4_gemm on a prepacked weight takes bfloat16 a; got "
+                            f"{dtype_name(a.dtype)} (use the OCP tensors for float16)")
+        if a.shape[1] != packed.K:
+            raise ValueError(f"mxfp4_gemm: a is {tuple(a.shape)} but the weight holds K = "
+                             f"{packed.K}")
+        if a.shape[0] == 0:
+            raise ValueError("mxfp4_gemm: empty a (M = 0); sizes must be >= 1")
+        if a.device != packed.device:
+            raise ValueError(f"mxfp4_gemm: a is on {a.device} but the weight is on "
+                             f"{packed.device}")
+        refuse_grad("mxfp4_gemm", a=a)
+        raise ValueError(f"mxfp4_gemm: unsupported inputs a {tuple(a.shape)} on {a.device}")
+
+    def parse_problem(self, text: str, dtype: str) -> Mxfp4Problem:
+        problem = super().parse_problem(text, dtype)
+        if problem.N % ATOM_ROWS or problem.K % ATOM_K or dtype not in SUPPORTED:
+            raise ValueError(f"bad prepacked MXFP4 problem {text!r} ({dtype}): N a multiple of "
+                             f"{ATOM_ROWS}, K of {ATOM_K}, bfloat16")
+        return problem
+
+    def check_config(self, problem: Mxfp4Problem, config: Config, target: Target) -> str | None:
+        return self.backend(target).check(problem, config, target)
+
+    def launch(self, kernel, args: tuple, out: torch.Tensor | None = None) -> torch.Tensor:
+        a, w = args
+        c = out if out is not None else a.new_empty((a.shape[0], w.packed.N))
+        kernel(a, w.packed.words, w.packed.scales, c)
+        return c
+
+    def make_inputs(self, problem: Mxfp4Problem, device: torch.device, seed: int = 0,
+                    sizes: dict[str, int] | None = None) -> tuple:
+        a, w_fp4, w_scale = super().make_inputs(problem, device, seed, sizes)
+        return a, prepack_mxfp4(w_fp4, w_scale)
+
+    def reference(self, inputs: tuple) -> torch.Tensor:
+        a, packed = inputs
+        return super().reference((a, *unpack(packed)))
+
+    def bytes_moved(self, problem: Mxfp4Problem) -> float:
+        M, N, K = problem.M, problem.N, problem.K  # bf16 activations, scales as bf16
+        return 2 * M * K + N * K // 2 + N * K // BLOCK * 2 + 2 * M * N
+
+
+MXFP4_GEMM_PACKED = Mxfp4PackedSpec()
