@@ -114,8 +114,11 @@ def main(argv: list[str] | None = None) -> int:
                     study = replay.run(task, sampler, seed, trials, progress, jobs)
                 else:
                     study = open_run(storage, task, sampler, seed)
-                    result = search(session, study, task, Limits(trials, deadline=deadline),
-                                    progress, jobs, seed)
+                    # The grid times every point in full: the samplers' runs are judged by the
+                    # grid's latency of what they found, which an abandoned point would lack.
+                    limits = Limits(trials, deadline=deadline,
+                                    abandon=None if sampler == "grid" else Limits.abandon)
+                    result = search(session, study, task, limits, progress, jobs, seed)
                     complete &= result.stopped != "timeout"
                     if args.replay and result.stopped != "timeout":
                         replay = Replay(study)

@@ -43,6 +43,7 @@ MARKERS = {"sm_90a": "wgmma", "sm_80": "mma", "gfx942": "mfma", "gfx1100": "wmma
 PROBLEMS = {
     "gemm": ("128x256x256", "float16"),
     "mxfp4_gemm": ("16x256x256", "bfloat16"),
+    "mxfp4_gemm_packed": ("16x256x256", "bfloat16"),
     "attention": ("1x128x128x32x8x128:causal", "bfloat16"),
     "mla_decode": ("B1xS128xH16", "bfloat16"),
 }
@@ -52,6 +53,7 @@ MATRIX = {
     #              sm_90a  sm_80    gfx942   gfx1100  metal
     "gemm":       (LOWERS, LOWERS,  LOWERS,  LOWERS,  LOWERS),
     "mxfp4_gemm": (LOWERS, LOWERS,  LOWERS,  LOWERS,  LOWERS),
+    "mxfp4_gemm_packed": (LOWERS, REFUSED, REFUSED, REFUSED, REFUSED),  # RS wgmma: sm_90 only
     "attention":  (LOWERS, LOWERS,  LOWERS,  REFUSED, REFUSED),
     "mla_decode": (LOWERS, REFUSED, REFUSED, REFUSED, REFUSED),
 }

@@ -91,6 +91,12 @@ class Mxfp4PackedSpec(Mxfp4GemmSpec):
     backends = BACKENDS
     dispatches_baseline = False  # the dense weight would be decoded again at every call
 
+    def unsupported_reason(self, target: Target) -> str | None:
+        if target.kind == "cuda" and not target.is_hopper:
+            return (f"{self.name} feeds wgmma from registers: sm_90 only, not cuda "
+                    f"{target.arch}; call mxfp4_gemm(a, w_fp4, w_scale) there")
+        return super().unsupported_reason(target)
+
     def prepare(self, a: torch.Tensor, packed: PrepackedMxfp4) -> Call:
         try:
             M, K = a.shape
