@@ -108,16 +108,29 @@ def test_every_code_under_every_scale_decodes_exactly_cuda(dequant, ctas_per_sm)
     the row's products hold 0 x inf or NaN, so IEEE arithmetic makes them NaN: what the format
     defines for the product is the float64 product of the decoded operands, cast to bf16."""
     target = target_of(CUDA)
-    N, K = 256, 64
-    codes = torch.arange(16, dtype=torch.uint8, device="cuda").repeat(N, K // 16)
-    w_fp4 = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
-    w_scale = torch.arange(N, dtype=torch.uint8, device="cuda").unsqueeze(1).repeat(1, K // 32)
-    a = torch.eye(16, K, device="cuda", dtype=torch.bfloat16)
-    problem = MXFP4_GEMM.parse_problem(f"16x{N}x{K}", "bfloat16")
+    a, w_fp4, w_scale = every_code_under_every_scale()
+    problem = MXFP4_GEMM.parse_problem(f"16x{w_fp4.shape[0]}x{a.shape[1]}", "bfloat16")
     config = {**MXFP4_GEMM.default_config(problem, target), "dequant": dequant, "split_k": 1,
               "block_K": 64, "ctas_per_sm": ctas_per_sm}
     kernel = dispatch.compile_kernel(MXFP4_GEMM, problem, config, target)
     out = MXFP4_GEMM.launch(kernel, MXFP4_GEMM.prepare(a, w_fp4, w_scale).args)
+    assert_decoded_exactly(out, a, w_fp4, w_scale)
+
+
+def every_code_under_every_scale() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(a, w_fp4, w_scale): row n of the 256 x 64 weight holds the 16 codes under scale n, a is
+    16 one-hot rows."""
+    N, K = 256, 64
+    codes = torch.arange(16, dtype=torch.uint8, device="cuda").repeat(N, K // 16)
+    w_fp4 = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    w_scale = torch.arange(N, dtype=torch.uint8, device="cuda").unsqueeze(1).repeat(1, K // 32)
+    return torch.eye(16, K, device="cuda", dtype=torch.bfloat16), w_fp4, w_scale
+
+
+def assert_decoded_exactly(out: torch.Tensor, a: torch.Tensor, w_fp4: torch.Tensor,
+                           w_scale: torch.Tensor) -> None:
+    """out is the float64 product of the decoded operands cast to bf16, bit for bit, NaN where
+    it is NaN (the overflowing rows and the NaN scale)."""
     dense = tileops.dequantize_mxfp4(w_fp4, w_scale, torch.bfloat16)
     want = (a.double() @ dense.double().t()).to(torch.bfloat16)
     assert not torch.isinf(want).any() and torch.isnan(want).any()  # overflowing rows: NaN
@@ -148,26 +161,17 @@ def test_prepacked_weight_cuda(M, N, K, overrides):
     poisoned = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
     out = MXFP4_GEMM_PACKED.launch(kernel, call.args, out=poisoned)
     assert not torch.isnan(out).any() and rel_error(out, ref) < 1e-2
-    assert torch.equal(tileops.mxfp4_gemm(a, packed).isnan(), torch.zeros_like(out, dtype=bool))
-    assert torch.equal(tileops.prepack_mxfp4(w_fp4, w_scale).unpack()[0], w_fp4)
+    assert not tileops.mxfp4_gemm(a, packed).isnan().any()
+    assert torch.equal(packed.unpack()[0], w_fp4)
 
 
 def test_prepacked_every_code_under_every_scale_decodes_exactly_cuda():
     """As the OCP kernels' test above: the decoded weight, bit for bit (NaN where the format's
     product is NaN)."""
     target = target_of(CUDA)
-    N, K = 256, 64
-    codes = torch.arange(16, dtype=torch.uint8, device="cuda").repeat(N, K // 16)
-    w_fp4 = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
-    w_scale = torch.arange(N, dtype=torch.uint8, device="cuda").unsqueeze(1).repeat(1, K // 32)
-    a = torch.eye(16, K, device="cuda", dtype=torch.bfloat16)
+    a, w_fp4, w_scale = every_code_under_every_scale()
     call = MXFP4_GEMM_PACKED.prepare(a, tileops.prepack_mxfp4(w_fp4, w_scale))
     config = {**MXFP4_GEMM_PACKED.default_config(call.problem, target), "split_k": 1,
               "block_K": 64}
     kernel = dispatch.compile_kernel(MXFP4_GEMM_PACKED, call.problem, config, target)
-    out = MXFP4_GEMM_PACKED.launch(kernel, call.args)
-    dense = tileops.dequantize_mxfp4(w_fp4, w_scale, torch.bfloat16)
-    want = (a.double() @ dense.double().t()).to(torch.bfloat16)
-    nan = torch.isnan(want)
-    assert torch.equal(torch.isnan(out), nan)
-    assert torch.equal(out[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    assert_decoded_exactly(MXFP4_GEMM_PACKED.launch(kernel, call.args), a, w_fp4, w_scale)

@@ -13,7 +13,14 @@ import torch
 
 from ...spec import Backend, Call, Config, Space, refuse_grad
 from ...target import Target
-from ..host import BitsAdapter, check_decode_knobs, decode_split_k, dtype_name, gpu_adapter
+from ..host import (
+    BitsAdapter,
+    check_decode_knobs,
+    decode_split_k,
+    dtype_name,
+    gpu_adapter,
+    smem_limit,
+)
 from . import packed_kernels
 from .constants import ATOM_K, ATOM_ROWS, BLOCK
 from .format import dequantize_mxfp4
@@ -66,18 +73,13 @@ def _check_cuda(problem: Mxfp4Problem, config: Config, target: Target) -> str | 
         return f"{threads} threads take {block_N} weight rows, which do not divide N = {problem.N}"
     stages = config["num_stages"]
     smem = stages * (bm * bk * 2 + block_N * bk // 2 + block_N * bk // BLOCK * 2) + bm * block_N * 4
-    if smem > 227 * 1024:
-        return f"shared memory {smem // 1024} KiB > 227 KiB"
+    if smem > smem_limit(target.arch):
+        return f"shared memory {smem // 1024} KiB > {smem_limit(target.arch) // 1024} KiB"
     knobs = {**config, "block_N": block_N, "swap_ab": 1}
     return check_decode_knobs(problem.M, problem.K, knobs, target.arch, min_block_M=16)
 
 
-def _check_cpu(problem: Mxfp4Problem, config: Config, target: Target) -> str | None:
-    return None
-
-
-BACKENDS = {"cpu": Backend(packed_kernels.cpu_packed_program, BitsAdapter, check=_check_cpu,
-                           default=_cpu_default),
+BACKENDS = {"cpu": Backend(packed_kernels.cpu_packed_program, BitsAdapter, default=_cpu_default),
             "cuda": Backend(packed_kernels.packed_program, gpu_adapter, check=_check_cuda,
                             default=_cuda_default)}
 
@@ -144,9 +146,6 @@ class Mxfp4PackedSpec(Mxfp4GemmSpec):
             raise ValueError(f"bad prepacked MXFP4 problem {text!r} ({dtype}): N a multiple of "
                              f"{ATOM_ROWS}, K of {ATOM_K}, bfloat16")
         return problem
-
-    def check_config(self, problem: Mxfp4Problem, config: Config, target: Target) -> str | None:
-        return self.backend(target).check(problem, config, target)
 
     def launch(self, kernel, args: tuple, out: torch.Tensor | None = None) -> torch.Tensor:
         a, w = args
