@@ -33,7 +33,7 @@ and on this CPU, with a tiny space (`--plot-from FILE.json` draws the plot elsew
 and, anywhere, ten seeds per sampler replayed against the grids measured on the H200:
 
     python3 benchmarks/tuner_efficiency.py --replay-stored --seeds 10 \
-        --storage benchmarks/results/h200/tuner_efficiency.journal \
+        --storage benchmarks/results/h200/tuner_efficiency.journal.xz \
         --space "$(python3 -c 'import json; print(json.dumps(json.load(open(
             "benchmarks/results/h200/tuner_efficiency.json"))["space"]))')"
 """
@@ -41,14 +41,17 @@ and, anywhere, ten seeds per sampler replayed against the grids measured on the 
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import itertools
 import json
+import lzma
 import math
 import os
 import re
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -150,7 +153,7 @@ def replay_stored(args: argparse.Namespace) -> int:
         raise SystemExit("--replay-stored needs --storage (where the grids are) and --space "
                          "(the grids' whole space)")
     space = json.loads(args.space)
-    storage = studies.open_storage(args.storage)
+    storage = studies.open_storage(_plain_journal(args.storage))
     progress = Progress(quiet=args.quiet, tty=False)
     jobs = args.jobs or os.cpu_count() or 1  # trials asked at once, as a sweep here would
     entries, skipped, target = [], [], None
@@ -162,7 +165,7 @@ def replay_stored(args: argparse.Namespace) -> int:
         grid_study = optuna.load_study(study_name=name, storage=storage)
         spec, target = get_spec(parsed.op), Target(*parsed.target_key)
         task = Task(spec, target, "replay", spec.problem_from_dict(parsed.problem), space)
-        if studies.read_ledger(grid_study).seen < studies.grid_size(space):
+        if not _grid_complete(grid_study, task):
             skipped.append(task.label)
             continue
         replay = Replay(grid_study)
@@ -186,7 +189,8 @@ def replay_stored(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {
         "op": ", ".join(sorted({e.pop("op") for e in entries})), "device": target.device,
         "target": target.describe(), "fraction": args.fraction, "seeds": args.seeds,
-        "space": space, "replay": "stored", "storage": args.storage, "versions": versions(),
+        "space": space, "replay": "stored", "storage": args.storage, "asked_at_once": jobs,
+        "versions": versions(),
         "problems": entries, "skipped_incomplete": skipped, "complete": not skipped}
     report["summary"] = summarise(entries)
     out_dir = Path(args.results_dir) if args.results_dir else ROOT / "results" / slug(target.device)
@@ -282,6 +286,26 @@ class Replay:
         return Measurement(stats=Stats(t.value, q25, q75, 1))
 
 
+def _plain_journal(path: str) -> str:
+    """A journal committed xz-compressed (`results/h200/tuner_efficiency.journal.xz`) is read
+    from a decompressed copy in the temporary directory."""
+    if not path.endswith(".xz"):
+        return path
+    plain = Path(tempfile.gettempdir()) / f"tileops-{os.getpid()}-{Path(path).stem}"
+    plain.write_bytes(lzma.decompress(Path(path).read_bytes()))
+    atexit.register(plain.unlink, missing_ok=True)
+    return str(plain)
+
+
+def _grid_complete(grid_study: optuna.Study, task: Task) -> bool:
+    """Every point of the space has a trial, or is one the spec's checks refuse (a live grid run
+    asks only for the points that pass them)."""
+    seen = {canonical(t.params) for t in grid_study.get_trials(deepcopy=False)}
+    return all(canonical(c) in seen
+               or task.spec.check_config(task.problem, c, task.target) is not None
+               for c in grid(task.space))
+
+
 class _GridChecks:
     """An operator spec whose constraint check answers as the grid run's did."""
 
@@ -314,9 +338,18 @@ def run_prefix(sampler: str, seed: int) -> str:
 
 
 def open_run(storage, task: Task, sampler: str, seed: int) -> optuna.Study:
+    """A sampler's study; random and TPE start, as the tuner's searches do, from the heuristic
+    default (here its nearest point of the space; neighbouring records are left out: each
+    problem is searched as if it were the first)."""
     name = studies.study_name(run_prefix(sampler, seed), task.spec.name, task.target.key,
                               task.spec.problem_dict(task.problem), task.space)
-    return studies.open_study(storage, name, sampler, task.space, seed)
+    study = studies.open_study(storage, name, sampler, task.space, seed)
+    if sampler != "grid" and not study.trials:
+        default = task.spec.default_config(task.problem, task.target)
+        studies.warm_start(study, [(studies.nearest(default, task.space), "default")],
+                           task.space)
+    return study
+
 
 
 def run_result(study: optuna.Study, sampler: str, seed: int, budget: int) -> dict[str, Any]:

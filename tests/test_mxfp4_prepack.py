@@ -11,7 +11,7 @@ from test_codegen import A100, H200
 
 import tileops
 from tileops.dispatch import lower
-from tileops.ops.mxfp4 import MXFP4_GEMM_PACKED, PrepackedMxfp4
+from tileops.ops.mxfp4 import MXFP4_GEMM, MXFP4_GEMM_PACKED, PrepackedMxfp4
 from tileops.ops.mxfp4.prepack import LAYOUT
 
 
@@ -102,17 +102,20 @@ def test_compiles_with_nvcc():
     lower(MXFP4_GEMM_PACKED.build(problem, config, H200), H200, device_compile=True)
 
 
-def test_dispatch_never_runs_the_baseline_of_a_prepacked_weight(monkeypatch):
-    """A record may say cuBLAS on the dense weight wins; a prepacked call holds no dense weight,
-    so dispatch runs the record's tile kernel rather than decode the weight at every call."""
+@pytest.mark.parametrize("prepacked", [True, False], ids=["prepacked", "ocp"])
+def test_dispatch_never_runs_the_baseline_of_an_mxfp4_weight(monkeypatch, prepacked):
+    """A record may say cuBLAS on the dense weight wins (timed on a weight decoded once); a call
+    holds only the packed weight, so dispatch runs the record's tile kernel rather than decode
+    the weight at every call."""
     from tileops import dispatch
     from tileops.db.layers import Choice
 
     w_fp4, w_scale = random_ocp(32, 64)
-    packed = tileops.prepack_mxfp4(w_fp4, w_scale)
+    weight = (tileops.prepack_mxfp4(w_fp4, w_scale),) if prepacked else (w_fp4, w_scale)
+    spec = MXFP4_GEMM_PACKED if prepacked else MXFP4_GEMM
     a = torch.randn(2, 64).bfloat16()
     dispatch.reset()
-    want = tileops.mxfp4_gemm(a, packed)
+    want = tileops.mxfp4_gemm(a, *weight)
     real = dispatch.DISPATCHER.choice
 
     def baseline_wins(spec, target, problem):
@@ -120,10 +123,9 @@ def test_dispatch_never_runs_the_baseline_of_a_prepacked_weight(monkeypatch):
         return Choice(choice.config, "user", True, True, None)
 
     monkeypatch.setattr(dispatch.DISPATCHER, "choice", baseline_wins)
-    monkeypatch.setattr(MXFP4_GEMM_PACKED, "launch_baseline",
-                        lambda args: pytest.fail("ran the baseline"))
+    monkeypatch.setattr(spec, "launch_baseline", lambda args: pytest.fail("ran the baseline"))
     try:
         dispatch.reset()
-        assert torch.equal(tileops.mxfp4_gemm(a, packed), want)
+        assert torch.equal(tileops.mxfp4_gemm(a, *weight), want)
     finally:
         dispatch.reset()

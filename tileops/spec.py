@@ -138,8 +138,8 @@ class OpSpec(abc.ABC):
     nearest_within: ClassVar[float] = 1.0
     baseline_name: ClassVar[str]
     # Whether dispatch runs the baseline where a record says it wins. False where the baseline
-    # needs inputs the call does not hold (a prepacked weight's dense form): the tile kernel
-    # that ran up beside it serves instead.
+    # needs inputs the call does not hold (an MXFP4 weight's dense form): the tile kernel that
+    # ran up beside it serves instead.
     dispatches_baseline: ClassVar[bool] = True
     # Targets with no kernel, and why: a kind ("metal") or a kind and an arch prefix ("hip:gfx11",
     # where TileLang lowers for some archs of a kind and not others). Kinds with no table in

@@ -21,7 +21,7 @@ import optuna
 
 from tileops.db.layers import read_record
 from tileops.db.storage import DatabaseError, TuningDB
-from tileops.spec import Config, OpSpec
+from tileops.spec import Config, OpSpec, canonical
 from tileops.target import Target
 
 from . import lifecycle, studies, winners
@@ -155,17 +155,18 @@ def _open(plan: Plan, storage: optuna.storages.BaseStorage, task: Task,
 
 
 def warm_start_configs(plan: Plan, problem: tuple) -> list[tuple[Config, str]]:
-    """The heuristic default, then the winners of the nearest tuned problems in the database."""
+    """The heuristic default, then the winners of the nearest tuned problems in the database,
+    each as its nearest point of the plan's space."""
     spec, target = plan.spec, plan.target
     configs = [(spec.default_config(problem, target), "default")]
     if not plan.db.exists():
-        return configs
+        return _projected(configs, plan.space)
     try:
         with TuningDB(plan.db, readonly=True) as db:
             records = db.records(spec.name, target.key)
     except DatabaseError as e:
         log.warning("no warm start from %s: %s", plan.db, e)
-        return configs
+        return _projected(configs, plan.space)
     near = []
     for r in records:
         try:
@@ -177,7 +178,18 @@ def warm_start_configs(plan: Plan, problem: tuple) -> list[tuple[Config, str]]:
             near.append((d, r.problem, config, spec.problem_label(other)))
     near.sort(key=lambda x: (x[0], x[1]))
     configs += [(c, f"db: {label}") for _, _, c, label in near[:WARM_START_NEIGHBOURS]]
-    return configs
+    return _projected(configs, plan.space)
+
+
+def _projected(configs: list[tuple[Config, str]], space: Space) -> list[tuple[Config, str]]:
+    """Each configuration as its nearest point of the space, the first source of each kept."""
+    out, seen = [], set()
+    for config, source in configs:
+        point = studies.nearest(config, space)
+        if canonical(point) not in seen:
+            seen.add(canonical(point))
+            out.append((point, source))
+    return out
 
 
 def _finish(plan: Plan, session: Session, task: Task, study: optuna.Study, before: studies.Ledger,

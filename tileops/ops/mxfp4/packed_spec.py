@@ -91,7 +91,6 @@ class Mxfp4PackedSpec(Mxfp4GemmSpec):
     dtypes = {"cuda": SUPPORTED, "cpu": SUPPORTED}
     kernel_module = packed_kernels.__name__
     backends = BACKENDS
-    dispatches_baseline = False  # the dense weight would be decoded again at every call
 
     def unsupported_reason(self, target: Target) -> str | None:
         if target.kind == "cuda" and not target.is_hopper:
