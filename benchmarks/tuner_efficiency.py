@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                     # grid's latency of what they found, which an abandoned point would lack.
                     limits = Limits(trials, deadline=deadline,
                                     abandon=None if sampler == "grid" else Limits.abandon)
-                    result = search(session, study, task, limits, progress, jobs, seed)
+                    result = search(session, study, task, limits, progress,
+                                    studies.in_flight(sampler, jobs), seed)
                     complete &= result.stopped != "timeout"
                     if args.replay and result.stopped != "timeout":
                         replay = Replay(study)
@@ -189,7 +190,8 @@ def replay_stored(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {
         "op": ", ".join(sorted({e.pop("op") for e in entries})), "device": target.device,
         "target": target.describe(), "fraction": args.fraction, "seeds": args.seeds,
-        "space": space, "replay": "stored", "storage": args.storage, "asked_at_once": jobs,
+        "space": space, "replay": "stored", "storage": args.storage,
+        "asked_at_once": {sampler: studies.in_flight(sampler, jobs) for sampler in ("random", "tpe")},
         "versions": versions(),
         "problems": entries, "skipped_incomplete": skipped, "complete": not skipped}
     report["summary"] = summarise(entries)
@@ -254,7 +256,8 @@ class Replay:
         place of the spec's checks)."""
         task = dataclasses.replace(task, spec=_GridChecks(task.spec, self.refused))
         study = open_run(optuna.storages.InMemoryStorage(), task, sampler, seed)
-        search(self, study, task, Limits(trials), progress, jobs, seed, time_baseline=False)
+        search(self, study, task, Limits(trials), progress, studies.in_flight(sampler, jobs),
+               seed, time_baseline=False)
         return study
 
     overlap, free, compiling = True, 1 << 30, 0  # nothing to compile: every job is ready at once

@@ -198,6 +198,15 @@ class _Grid(GridSampler):
 
 
 TPE_STARTUP = 4
+# TPE's trials asked at once: its model learns from each result, and asked 4-16 at a time (the
+# constant liar standing in) a 20-60-trial search degrades towards random (benchmarks/NOTES.md,
+# "Tuner efficiency"). Grid and random searches ask as many as there are compile processes.
+TPE_IN_FLIGHT = 2
+
+
+def in_flight(sampler: str, jobs: int) -> int:
+    """How many trials a search of `sampler` asks at once, with `jobs` compile processes."""
+    return min(jobs, TPE_IN_FLIGHT) if sampler == "tpe" else jobs
 
 
 def make_sampler(name: str, space: Space, seed: int) -> BaseSampler:

@@ -130,8 +130,8 @@ def run(plan: Plan, progress: Progress,
             before = studies.read_ledger(study)
             ahead = plan.first_candidates(plan.problems[i + 1]) if i + 1 < len(plan.problems) \
                 else None
-            report = search(session, study, task, plan.limits(), progress, plan.jobs, plan.seed,
-                            ahead=ahead)
+            report = search(session, study, task, plan.limits(), progress,
+                            studies.in_flight(plan.sampler, plan.jobs), plan.seed, ahead=ahead)
             results.append(_finish(plan, session, task, study, before, report))
             if len(results) == 1:  # the first problem's time includes starting the children
                 results[0].seconds["child_start"] = session.startup_s
@@ -265,7 +265,8 @@ def _worker(plan: Plan, index: int, jobs: int) -> None:
             for problem in plan.problems:
                 task = plan.task(problem, device)
                 study = _open(plan, storage, task, stream=index + 1)
-                search(session, study, task, plan.limits(), progress, jobs, plan.seed,
+                search(session, study, task, plan.limits(), progress,
+                       studies.in_flight(plan.sampler, jobs), plan.seed,
                        time_baseline=index == 0)  # the parent re-times it with the winners
     except KeyboardInterrupt:
         raise SystemExit(lifecycle.INTERRUPTED) from None

@@ -10,10 +10,10 @@
 #
 # OP SLICE: gemm decode (M = 1, 16), gemm m64, gemm prefill (M = 256 ... 8192), mxfp4_gemm decode
 # (M = 1 ... 64), mxfp4_gemm prefill (M = 256 ... 4096), mxfp4_gemm_packed decode (M = 1 ... 64,
-# the prepacked weight), attention all, mla_decode all (the whole suites; TPE). A stopped slice
-# resumes where it stopped (the Optuna journal beside $DB), and
-# every run appends what it cost (trials, wall seconds by part: GPU time, the machine being held
-# throughout) to $REPORTS/OP-SLICE-DTYPE.jsonl, which benchmarks/tuning_cost.py sums.
+# the prepacked weight), attention all (grid), mla_decode all (TPE): the whole suites. A stopped
+# slice resumes where it stopped (the Optuna journal beside $DB), and every run appends what it
+# cost (trials, wall seconds by part: GPU time, the machine being held throughout) to
+# $REPORTS/OP-SLICE-DTYPE.jsonl, which benchmarks/tuning_cost.py sums.
 # WORKERS=N tunes on N GPUs at once (worker i on cuda:i, one study per problem shared by all);
 # JOBS sets the compile processes (default: all cores but one); DTYPE the element type of the
 # GEMM slices (default bfloat16; float16 records are separate ones).
@@ -58,7 +58,10 @@ slice() {  # sets ms, space, sampler, trials, extra for OP SLICE
       ms="256 1024 4096"; dtype=bfloat16; space='{"block_M": [64, 128], "block_N": [128, 256],
         "block_K": [64], "num_stages": [3, 4], "threads": [128, 256], "dequant": ["global"],
         "swizzle": [8], "split_k": [1], "swap_ab": [0], "ctas_per_sm": [1]}' ;;
-    attention:all|mla_decode:all)  # the whole space, searched by TPE until it stops improving
+    attention:all)  # the whole space as a grid (35-41 valid points; 8 kernel families over
+      # the 40 problems, so a kernel compiled for one problem serves its family's others)
+      ms=""; dtype=bfloat16 ;;
+    mla_decode:all)  # the whole space, searched by TPE until it stops improving
       ms=""; dtype=bfloat16; sampler=tpe trials=24; extra=(--patience 8) ;;
     *) usage ;;
   esac
