@@ -191,7 +191,8 @@ def replay_stored(args: argparse.Namespace) -> int:
         "op": ", ".join(sorted({e.pop("op") for e in entries})), "device": target.device,
         "target": target.describe(), "fraction": args.fraction, "seeds": args.seeds,
         "space": space, "replay": "stored", "storage": args.storage,
-        "asked_at_once": {sampler: studies.in_flight(sampler, jobs) for sampler in ("random", "tpe")},
+        "asked_at_once": {sampler: studies.in_flight(sampler, jobs)
+                          for sampler in ("random", "tpe")},
         "versions": versions(),
         "problems": entries, "skipped_incomplete": skipped, "complete": not skipped}
     report["summary"] = summarise(entries)
@@ -352,7 +353,6 @@ def open_run(storage, task: Task, sampler: str, seed: int) -> optuna.Study:
         studies.warm_start(study, [(studies.nearest(default, task.space), "default")],
                            task.space)
     return study
-
 
 
 def run_result(study: optuna.Study, sampler: str, seed: int, budget: int) -> dict[str, Any]:

@@ -77,8 +77,7 @@ class Plan:
         if self.sampler == "grid":
             configs = list(self.spec.configs(problem, self.target, self.space))
         elif self.warm_start:
-            configs = [c for c, _ in warm_start_configs(self, problem)
-                       if studies.in_space(c, self.space)]
+            configs = [c for c, _ in warm_start_configs(self, problem)]
         else:
             configs = []
         return [Job(self.spec, problem, self.target, self.devices[0], c) for c in configs]
