@@ -216,3 +216,17 @@ def test_bad_softmax_scale_is_refused(scale, exc, match):
     q = torch.randn(1, 4, 2, 64)
     with pytest.raises(exc, match=match):
         tileops.flash_attention(q, q, q, softmax_scale=scale)
+
+
+def test_dispatch_never_runs_cudnn_on_repeated_heads():
+    """cuDNN takes grouped K/V heads repeated to the query heads; its timing repeats them once,
+    a call would at every call. So on CUDA a record saying cuDNN wins a grouped problem runs the
+    record's tile kernel; equal heads, and the CPU's SDPA (grouped heads natively), run the
+    baseline."""
+    h200 = Target("cuda", "sm_90a", "NVIDIA H200", 132)
+    cpu = target_of(CPU)
+    grouped = ATTENTION.parse_problem("32x1024x1024x32x8x128", "bfloat16")
+    equal = ATTENTION.parse_problem("32x1024x1024x32x32x128", "bfloat16")
+    assert not ATTENTION.dispatches_baseline(grouped, h200)
+    assert ATTENTION.dispatches_baseline(equal, h200)
+    assert ATTENTION.dispatches_baseline(grouped, cpu)

@@ -133,6 +133,12 @@ class Dispatcher:
             self.choices[key] = choice
         return choice
 
+    def runs_baseline(self, spec: OpSpec, target: Target, problem: tuple) -> bool:
+        """Whether a call of `problem` runs the baseline: its record says the baseline wins and
+        the spec dispatches it for this problem."""
+        return (self.choice(spec, target, problem).use_baseline
+                and spec.dispatches_baseline(problem, target))
+
     def _launcher(self, spec: OpSpec, device: torch.device, problem: tuple) -> Launcher:
         target = _target.target_of(device)
         reason = spec.unsupported_reason(target)
@@ -141,7 +147,7 @@ class Dispatcher:
         choice = self.choice(spec, target, problem)
         if choice.source == "default":
             choice = self._tuned_on_first_use(spec, target, device, problem) or choice
-        if choice.use_baseline and spec.dispatches_baseline:
+        if self.runs_baseline(spec, target, problem):
             launcher: Launcher = spec.launch_baseline
         else:
             kernel = self._compile_choice(spec, target, problem, choice)

@@ -137,10 +137,6 @@ class OpSpec(abc.ABC):
     # were chosen for another regime (decode tiles for a prefill, say) and the default is safer.
     nearest_within: ClassVar[float] = 1.0
     baseline_name: ClassVar[str]
-    # Whether dispatch runs the baseline where a record says it wins. False where the baseline
-    # needs inputs the call does not hold (an MXFP4 weight's dense form): the tile kernel that
-    # ran up beside it serves instead.
-    dispatches_baseline: ClassVar[bool] = True
     # Targets with no kernel, and why: a kind ("metal") or a kind and an arch prefix ("hip:gfx11",
     # where TileLang lowers for some archs of a kind and not others). Kinds with no table in
     # configs/<op>.toml, or no entry in `backends`, have none either.
@@ -158,6 +154,13 @@ class OpSpec(abc.ABC):
         (MLA's scheduler metadata) computed here: benchmarks time the call as such an engine
         makes it, with that work outside the timed region."""
         return inputs
+
+    def dispatches_baseline(self, problem: tuple, target: Target) -> bool:
+        """Whether dispatch runs the baseline where a record says it wins. False where a call
+        would pay for what the baseline's timing made once (an MXFP4 weight's dense form, the
+        repeated K/V heads of grouped attention for cuDNN): the record's best tile kernel, timed
+        beside it, serves instead."""
+        return True
 
     @abc.abstractmethod
     def parse_problem(self, text: str, dtype: str) -> tuple:

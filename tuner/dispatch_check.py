@@ -43,7 +43,8 @@ def check_dispatch(spec: OpSpec, problems: list[tuple], device: str, db: Path) -
         ref = spec.reference(inputs)
         err = relative_error(out, ref)  # over every output (e.g. attention's (out, lse))
         choice = dispatcher.choice(spec, target, problem)
-        runs = "baseline" if choice.use_baseline else canonical(choice.config)
+        runs = ("baseline" if dispatcher.runs_baseline(spec, target, problem)
+                else canonical(choice.config))
         source = choice.source + ("" if choice.exact else " (nearest)")
         ok = choice.source == "user" and choice.exact and not math.isnan(err) \
             and err <= spec.tolerance(problem)

@@ -100,7 +100,7 @@ class WorkspaceAdapter:
     def __call__(self, *args: torch.Tensor) -> None:
         a = args[0]
         rows = a.shape[0]
-        self.kernel(*args, *(torch.empty([rows if d is None else d for d in shape], dtype=dtype,
+        self.kernel(*args, *(torch.empty(*[rows if d is None else d for d in shape], dtype=dtype,
                                          device=a.device) for shape, dtype in self.shapes))
 
 
@@ -110,13 +110,14 @@ def executable(kernel: Any) -> Any:
     `JITKernel.__call__` goes through its tvm-ffi adapter's Python wrapper (loops over the
     parameters to allocate outputs, finds the output device) before the compiled executable; a
     few microseconds per call that decode-sized kernels feel. Our programs have no outputs to
-    allocate, so the executable alone does the same. Other execution backends keep the kernel.
+    allocate, so the executable's entry function alone does the same (bound here: calling the
+    executable looks it up again at every call). Other execution backends keep the kernel.
     """
     adapter = getattr(kernel, "adapter", None)
     get = getattr(adapter, "_get_executable", None)
     if get is None or getattr(adapter, "result_idx", None):
         return kernel
-    return get()
+    return get().jit().main
 
 
 def gpu_adapter(kernel: Any) -> Any:

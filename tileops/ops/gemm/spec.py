@@ -179,8 +179,9 @@ class GemmSpec(OpSpec):
 
     def launch(self, kernel, args: tuple, out: torch.Tensor | None = None) -> torch.Tensor:
         a, b, trans_b, out_dtype = args
+        # Sizes as separate arguments: torch parses them faster than a tuple (about 1 us a call).
         c = out if out is not None else torch.empty(
-            (a.shape[0], b.shape[0] if trans_b else b.shape[1]), dtype=out_dtype, device=a.device)
+            a.shape[0], b.shape[0] if trans_b else b.shape[1], dtype=out_dtype, device=a.device)
         kernel(a, b, c)
         return c
 

@@ -127,9 +127,9 @@ class _MlaKernel:
     def __call__(self, args: MlaArgs, out: torch.Tensor, lse: torch.Tensor) -> None:
         q = args.q
         B, rows, _ = q.shape
-        o_part = torch.empty((B, rows, self.num_splits, D_LATENT), dtype=torch.float32,
+        o_part = torch.empty(B, rows, self.num_splits, D_LATENT, dtype=torch.float32,
                              device=q.device)
-        l_part = torch.empty((B, rows, self.num_splits), dtype=torch.float32, device=q.device)
+        l_part = torch.empty(B, rows, self.num_splits, dtype=torch.float32, device=q.device)
         kv = args.kv_cache
         if self.cpu and q.dtype is torch.bfloat16:
             q, kv, out = q.view(torch.uint16), kv.view(torch.uint16), out.view(torch.uint16)
@@ -261,8 +261,8 @@ class MlaDecodeSpec(OpSpec):
         q = args.q
         B, rows, _ = q.shape
         if out is None:
-            out = (q.new_empty((B, args.s_q, args.h_q, D_LATENT)),
-                   torch.empty((B, args.h_q, args.s_q), dtype=torch.float32, device=q.device))
+            out = (q.new_empty(B, args.s_q, args.h_q, D_LATENT),
+                   torch.empty(B, args.h_q, args.s_q, dtype=torch.float32, device=q.device))
         kernel(args, out[0].view(B, rows, D_LATENT), out[1])
         return out
 

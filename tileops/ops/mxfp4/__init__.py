@@ -15,7 +15,7 @@ from .spec import MXFP4_GEMM, Mxfp4GemmSpec, Mxfp4Problem
 def _fake(a: torch.Tensor, w_fp4: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     torch._check(a.dim() == 2 and w_fp4.dim() == 2, lambda: "mxfp4_gemm expects 2-D a and w_fp4")
     torch._check(a.shape[1] == 2 * w_fp4.shape[1], lambda: "mxfp4_gemm: K of a and w differ")
-    return a.new_empty((a.shape[0], w_fp4.shape[0]))
+    return a.new_empty(a.shape[0], w_fp4.shape[0])
 
 
 _op = register(MXFP4_GEMM, "(Tensor a, Tensor w_fp4, Tensor w_scale) -> Tensor", _fake)
@@ -24,7 +24,7 @@ _op = register(MXFP4_GEMM, "(Tensor a, Tensor w_fp4, Tensor w_scale) -> Tensor",
 def _fake_packed(a: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, N: int, K: int
                  ) -> torch.Tensor:
     torch._check(a.dim() == 2 and a.shape[1] == K, lambda: "mxfp4_gemm: K of a and w differ")
-    return a.new_empty((a.shape[0], N))
+    return a.new_empty(a.shape[0], N)
 
 
 def _packed_impl(a: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, N: int, K: int

@@ -148,7 +148,7 @@ class Mxfp4PackedSpec(Mxfp4GemmSpec):
 
     def launch(self, kernel, args: tuple, out: torch.Tensor | None = None) -> torch.Tensor:
         a, w = args
-        c = out if out is not None else a.new_empty((a.shape[0], w.packed.N))
+        c = out if out is not None else a.new_empty(a.shape[0], w.packed.N)
         kernel(a, w.packed.words, w.packed.scales, c)
         return c
 

@@ -161,13 +161,15 @@ class Mxfp4GemmSpec(OpSpec):
     bucketed = ("M",)
     categorical = ("dtype",)
     baseline_name = "torch.matmul on the dequantised weight"
-    # A call holds the packed weight only: running the baseline would decode it at every call,
-    # which the baseline's timing (one dense weight, decoded once) does not see.
-    dispatches_baseline = False
     kernel_module = kernels.__name__
     backends = BACKENDS
 
     # ---- problems -------------------------------------------------------------------------------
+    def dispatches_baseline(self, problem: tuple, target: Target) -> bool:
+        """Never: a call holds the packed weight only, and the baseline would decode it at every
+        call, which its timing (one dense weight, decoded once) does not see."""
+        return False
+
     def prepare(self, a: torch.Tensor, w_fp4: torch.Tensor, w_scale: torch.Tensor) -> Call:
         # Warm path: few attribute reads; anything off goes to `_refuse` for the precise error.
         try:
@@ -238,7 +240,7 @@ class Mxfp4GemmSpec(OpSpec):
     # ---- kernels --------------------------------------------------------------------------------
     def launch(self, kernel, args: tuple, out: torch.Tensor | None = None) -> torch.Tensor:
         a, w = args
-        c = out if out is not None else a.new_empty((a.shape[0], w.fp4.shape[0]))
+        c = out if out is not None else a.new_empty(a.shape[0], w.fp4.shape[0])
         kernel(a, w.fp4.view(torch.int32), w.scale, c)  # the kernels read words (kernels.py)
         return c
 
