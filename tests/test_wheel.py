@@ -62,6 +62,7 @@ def test_the_wheel_installs_a_working_tileops(tmp_path):
     run("-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('tuner') is not None)")
     bin_dir = env_dir / "bin"
     assert "gemm" in run(str(bin_dir / "tileops"), "ops")
+    assert (site / "tileops" / "native" / "warm.cc").is_file()  # the native warm path's source
     shipped = site / "tileops" / "_data" / "tuning_db" / "h200.sqlite"
     assert "NVIDIA H200" in run(str(bin_dir / "tileops"), "db", "summary", "--db", str(shipped))
     assert "pass the checks" in run(str(bin_dir / "tileops-tune"), "--device", "cpu", "--op",

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from . import autotune
+from . import autotune, native
 from . import target as _target
 from .db.layers import Choice, Resolver, TuningDatabaseWarning
 from .spec import Config, OpSpec, canonical
@@ -116,13 +116,37 @@ class Dispatcher:
         self.resolver = Resolver()
         self._launchers: dict[tuple, Launcher] = {}
         self.choices: dict[tuple, Choice] = {}  # what each (op, target, problem) resolved to
+        # The native warm path (`tileops.native`): the tile kernels it may run, by launcher key,
+        # and the operators it holds entries of, by their number in its table.
+        self._warm_kernels: dict[tuple, Any] = {}
+        self._warm_ops: dict[str, int] = {}
 
     def __call__(self, spec: OpSpec, *args: Any) -> torch.Tensor:
+        op = self._warm_ops.get(spec.name)
+        if op is not None:
+            out = native.module().call(op, *args)
+            if out is not None:  # a tensor, or a tvm-ffi array of them
+                return out if type(out) is torch.Tensor else tuple(out)
         call = spec.prepare(*args)
-        launcher = self._launchers.get((spec.name, call.device, call.problem))
+        key = (spec.name, call.device, call.problem)
+        launcher = self._launchers.get(key)
         if launcher is None:
             launcher = self._launcher(spec, call.device, call.problem)
-        return launcher(call.args)
+        out = launcher(call.args)
+        kernel = self._warm_kernels.get(key)
+        if kernel is not None:
+            self._warm_up(spec, args, call, kernel)
+        return out
+
+    def _warm_up(self, spec: OpSpec, args: tuple, call: Any, kernel: Any) -> None:
+        """Hand a call the Python path just ran to the native warm path, where the spec says how
+        its kernel runs it."""
+        made = spec.warm_recipe(args, call, kernel)
+        if made is None:
+            return
+        op = self._warm_ops.get(spec.name, len(self._warm_ops))
+        if native.register(op, *made, args):
+            self._warm_ops[spec.name] = op
 
     def choice(self, spec: OpSpec, target: Target, problem: tuple) -> Choice:
         """Resolve (and remember) the configuration for a problem, without compiling."""
@@ -152,6 +176,8 @@ class Dispatcher:
         else:
             kernel = self._compile_choice(spec, target, problem, choice)
             launcher = functools.partial(spec.launch, kernel)
+            if native.runs(kernel):
+                self._warm_kernels[(spec.name, device, problem)] = kernel
         log.debug("%s %s on %s: %s config %s", spec.name, spec.problem_label(problem),
                   target.describe(), choice.source, choice.config)
         self._launchers[(spec.name, device, problem)] = launcher
@@ -187,6 +213,9 @@ class Dispatcher:
         self.resolver.close()
         self._launchers.clear()
         self.choices.clear()
+        self._warm_kernels.clear()
+        self._warm_ops.clear()
+        native.clear()
         _target.clear_cache()
 
 

@@ -155,6 +155,13 @@ class OpSpec(abc.ABC):
         makes it, with that work outside the timed region."""
         return inputs
 
+    def warm_recipe(self, args: tuple, call: Call, kernel: Any) -> tuple[Any, Any] | None:
+        """How the native warm path (`tileops.native`) runs calls like `args`, which `prepare`
+        made into `call` and `kernel` (as `launch` gets it) just ran: the tvm-ffi function and
+        its `native.Recipe`, or None to keep such calls on the Python path (the default).
+        `launch` and the recipe must agree: the GPU tests compare the two paths."""
+        return None
+
     def dispatches_baseline(self, problem: tuple, target: Target) -> bool:
         """Whether dispatch runs the baseline where a record says it wins. False where a call
         would pay for what the baseline's timing made once (an MXFP4 weight's dense form, the

@@ -104,6 +104,18 @@ class WorkspaceAdapter:
                                          device=a.device) for shape, dtype in self.shapes))
 
 
+def warm_kernel(kernel: Any, rows: int) -> tuple[Any, list]:
+    """A kernel as `launch` gets it, for the native warm path: the tvm-ffi function, and the
+    scratch buffers (`native.Buffer`, not returned) a `WorkspaceAdapter` adds after the launch's
+    own arguments, their dynamic dimension `rows`."""
+    from .. import native
+
+    if not isinstance(kernel, WorkspaceAdapter):
+        return kernel, []
+    return kernel.kernel, [native.Buffer(tuple(rows if d is None else d for d in shape), dtype,
+                                         returned=False) for shape, dtype in kernel.shapes]
+
+
 def executable(kernel: Any) -> Any:
     """What to call for a compiled TileLang kernel whose every parameter the caller passes.
 
@@ -111,13 +123,18 @@ def executable(kernel: Any) -> Any:
     parameters to allocate outputs, finds the output device) before the compiled executable; a
     few microseconds per call that decode-sized kernels feel. Our programs have no outputs to
     allocate, so the executable's entry function alone does the same (bound here: calling the
-    executable looks it up again at every call). Other execution backends keep the kernel.
+    executable looks it up again at every call). The executable is a TVM `Executable` when the
+    kernel was compiled in this process and a loaded runtime module when it came from TileLang's
+    disk cache; both run `main`. Other execution backends keep the kernel.
     """
     adapter = getattr(kernel, "adapter", None)
     get = getattr(adapter, "_get_executable", None)
     if get is None or getattr(adapter, "result_idx", None):
         return kernel
-    return get().jit().main
+    run = get()
+    if getattr(type(run), "jit", None) is not None:  # an Executable: its linked runtime module
+        run = run.jit()
+    return run.main
 
 
 def gpu_adapter(kernel: Any) -> Any:

@@ -14,11 +14,19 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ...native import INPUT, INPUT_SWAPPED, OUTPUT, SCRATCH, Buffer, Recipe
 from ...spec import Backend, Call, Config, OpSpec, Space, pow2_bucket, refuse_grad
 from ...target import Target
 from ..host import DTYPE_NAMES as _NAMES
 from ..host import DTYPE_SIZES as _SIZES
-from ..host import DTYPES, BitsAdapter, check_decode_knobs, gpu_adapter, smem_limit
+from ..host import (
+    DTYPES,
+    BitsAdapter,
+    check_decode_knobs,
+    gpu_adapter,
+    smem_limit,
+    warm_kernel,
+)
 from ..host import dtype_name as _name
 from . import kernels
 
@@ -184,6 +192,19 @@ class GemmSpec(OpSpec):
             a.shape[0], b.shape[0] if trans_b else b.shape[1], dtype=out_dtype, device=a.device)
         kernel(a, b, c)
         return c
+
+    def warm_recipe(self, args: tuple, call: Call, kernel: Any) -> tuple[Any, Recipe] | None:
+        """`launch` for the native warm path: a, b (or the weight of a `w.t()`), c, then any
+        split-K scratch. None where `prepare` copied an operand: the copy is not replayed."""
+        a, b = args[0], args[1]
+        a2, b2, trans_b, out_dtype = call.args
+        if a2 is not a or (b2 is not b and not trans_b):
+            return None
+        fn, scratch = warm_kernel(kernel, a.shape[0])
+        M, N = a.shape[0], b.shape[1]
+        buffers = (Buffer((M, N), out_dtype), *scratch)
+        return fn, Recipe(((INPUT, 0), (INPUT_SWAPPED if trans_b else INPUT, 1), (OUTPUT, 0),
+                           *((SCRATCH, j) for j in range(1, len(buffers)))), buffers)
 
     def launch_baseline(self, args: tuple) -> torch.Tensor:
         a, b, trans_b, out_dtype = args
