@@ -82,6 +82,14 @@ def test_a_registered_call_runs_natively_and_nothing_else_does(kernel):
     assert table.call(0, a, w.t(), None) is None
 
 
+def test_the_table_stops_growing_at_its_bound(kernel):
+    w = torch.randn(5, 8)
+    registered = [native.register(0, kernel, SWAPPED, (torch.randn(3, 8), w.t(), m))
+                  for m in range(4100)]  # one entry per value of the last argument
+    assert registered == [True] * 4096 + [False] * 4
+    assert native.module().size() == 4096
+
+
 def test_several_outputs_come_back_in_order(kernel):
     a, w = torch.randn(3, 8), torch.randn(5, 8)
     both = SWAPPED._replace(args=((INPUT, 0), (INPUT_SWAPPED, 1), (OUTPUT, 0), (OUTPUT, 1)),

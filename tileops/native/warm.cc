@@ -55,6 +55,10 @@ struct KeyHash {
   }
 };
 
+// Calls of new shapes keep adding entries (every M of a prefill, say); past this many, new
+// shapes stay on the Python path rather than growing the table without bound.
+constexpr size_t kMaxEntries = 4096;
+
 std::mutex table_lock;
 std::unordered_map<std::vector<int64_t>, std::shared_ptr<const Entry>, KeyHash> table;
 
@@ -199,6 +203,10 @@ void Register(ffi::PackedArgs args, ffi::Any* rv) {
     return;
   }
   std::lock_guard<std::mutex> guard(table_lock);
+  if (table.size() >= kMaxEntries && table.find(key) == table.end()) {
+    *rv = false;
+    return;
+  }
   table[std::move(key)] = std::move(entry);
   *rv = true;
 }
