@@ -12,14 +12,23 @@ import torch
 
 import tileops
 from tileops import dispatch, native
-from tileops.native import INPUT, INPUT_SWAPPED, OUTPUT, SCRATCH, Buffer, Recipe
+from tileops.native import INPUT, INPUT_SWAPPED, INPUT_WORDS, OUTPUT, SCRATCH, Buffer, Recipe
 from tileops.ops.gemm import GEMM
 from tileops.ops.host import WorkspaceAdapter
+from tileops.ops.mxfp4 import MXFP4_GEMM
 
 KERNEL = r"""
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/function.h>
 namespace ffi = tvm::ffi;
+// c[m, n] = the first 32-bit word of row n of w, as the MXFP4 kernels read their weight.
+void FirstWords(ffi::TensorView a, ffi::TensorView w, ffi::TensorView s, ffi::TensorView c) {
+  TVM_FFI_ICHECK(w.dtype().code == kDLInt && w.dtype().bits == 32) << "w is not int32 words";
+  const int32_t* W = static_cast<const int32_t*>(w.data_ptr());
+  float* C = static_cast<float*>(c.data_ptr());
+  for (int64_t m = 0; m < c.size(0); ++m)
+    for (int64_t n = 0; n < c.size(1); ++n) C[m * c.size(1) + n] = W[n * w.stride(0)];
+}
 void Gemm(ffi::TensorView a, ffi::TensorView w, ffi::TensorView c, ffi::TensorView s) {
   const float* A = static_cast<const float*>(a.data_ptr());
   const float* W = static_cast<const float*>(w.data_ptr());
@@ -38,13 +47,18 @@ void Gemm(ffi::TensorView a, ffi::TensorView w, ffi::TensorView c, ffi::TensorVi
 
 
 @pytest.fixture(scope="module")
-def kernel():
+def kernels():
     import tvm_ffi.cpp
 
     if native.module() is None:
         pytest.skip("the native warm path cannot be built here")
-    return tvm_ffi.cpp.load_inline("tileops_test_gemm", cpp_sources=KERNEL,
-                                   functions=["Gemm"]).Gemm
+    return tvm_ffi.cpp.load_inline("tileops_test_kernels", cpp_sources=KERNEL,
+                                   functions=["Gemm", "FirstWords"])
+
+
+@pytest.fixture
+def kernel(kernels):
+    return kernels.Gemm
 
 
 @pytest.fixture(autouse=True)
@@ -212,3 +226,76 @@ def test_gemm_warm_calls_run_natively_on_cuda(monkeypatch):
         ref = a.double() @ w.double().t()
         assert (outs[1].double() - ref).norm() / ref.norm() < 1e-2
     assert len(prepared) == 2 and native.module().size() == 2
+
+
+def test_byte_rows_are_read_as_words(kernels):
+    """INPUT_WORDS: an (N, K/2) uint8 MXFP4 weight reaches the kernel as (N, K/8) int32."""
+    a = torch.randn(2, 64)
+    w = torch.randint(0, 256, (3, 32), dtype=torch.uint8)
+    s = torch.randint(0, 256, (3, 2), dtype=torch.uint8)
+    recipe = Recipe(((INPUT, 0), (INPUT_WORDS, 1), (INPUT, 2), (OUTPUT, 0)),
+                    (Buffer((2, 3), torch.float32),))
+    assert native.register(0, kernels.FirstWords, recipe, (a, w, s))
+    out = native.module().call(0, a, w, s)
+    assert torch.equal(out, w.view(torch.int32)[:, 0].float().expand(2, 3))
+
+
+def test_mxfp4_recipe_is_its_launch():
+    """a, the fp4 bytes as words, the scales, c, then the kernel's workspace; none where
+    prepare copied an operand."""
+    a = torch.randn(5, 64).bfloat16()
+    w = torch.randint(0, 256, (48, 32), dtype=torch.uint8)
+    s = torch.full((48, 2), 127, dtype=torch.uint8)
+    kernel = WorkspaceAdapter(object(), [((None, 48), torch.float32)])
+    fn, recipe = MXFP4_GEMM.warm_recipe((a, w, s), MXFP4_GEMM.prepare(a, w, s), kernel)
+    assert fn is kernel.kernel
+    assert recipe.args == ((INPUT, 0), (INPUT_WORDS, 1), (INPUT, 2), (OUTPUT, 0), (SCRATCH, 1))
+    assert recipe.buffers == (Buffer((5, 48), torch.bfloat16),
+                              Buffer((5, 48), torch.float32, returned=False))
+    a_t = torch.randn(64, 5).bfloat16().t()  # copied by prepare
+    assert MXFP4_GEMM.warm_recipe((a_t, w, s), MXFP4_GEMM.prepare(a_t, w, s), kernel) is None
+
+
+def test_a_failing_native_call_falls_back_and_the_operator_leaves_the_path(
+        gemm_on_the_stand_in, monkeypatch, caplog):
+    """A recipe that does not fit its kernel (here one argument short): the call still gets
+    the Python path's result, the operator keeps the Python path, and the log says so."""
+    prepared = gemm_on_the_stand_in
+    real = GEMM.warm_recipe
+
+    def short(args, call, kernel):
+        fn, recipe = real(args, call, kernel)
+        return fn, recipe._replace(args=recipe.args[:-1])
+
+    monkeypatch.setattr(GEMM, "warm_recipe", short)
+    a, w = torch.randn(4, 32), torch.randn(48, 32)
+    for _ in range(3):
+        torch.testing.assert_close(tileops.gemm(a, w.t()), a @ w.t())
+    assert len(prepared) == 3  # first call, the fallback of the failed native one, third call
+    assert "leaves the native warm path" in caplog.text
+    assert "gemm" not in dispatch.DISPATCHER._warm_ops
+
+
+def test_mxfp4_refuses_grad_before_dispatch():
+    a = torch.randn(2, 64, requires_grad=True)
+    w = torch.randint(0, 256, (16, 32), dtype=torch.uint8)
+    s = torch.full((16, 2), 127, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="no backward"):
+        tileops.mxfp4_gemm(a.bfloat16(), w, s)
+
+
+@pytest.mark.gpu
+def test_mxfp4_warm_calls_run_natively_on_cuda(monkeypatch):
+    """The OCP MXFP4 kernels through the native path (the weight's bytes as int32 words), the
+    warm call equal to the Python path's on the same inputs."""
+    if native.module() is None:
+        pytest.skip("the native warm path cannot be built here")
+    prepared = []
+    real = MXFP4_GEMM.prepare
+    monkeypatch.setattr(MXFP4_GEMM, "prepare", lambda *args: prepared.append(1) or real(*args))
+    w_fp4, w_scale = tileops.quantize_mxfp4(torch.randn(4096, 4096, device="cuda"))
+    a = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+    first = tileops.mxfp4_gemm(a, w_fp4, w_scale)  # the Python path, which hands the call over
+    again = tileops.mxfp4_gemm(a, w_fp4, w_scale)
+    assert len(prepared) == 1 and "mxfp4_gemm" in dispatch.DISPATCHER._warm_ops
+    assert torch.equal(first, again)

@@ -120,13 +120,20 @@ class Dispatcher:
         # and the operators it holds entries of, by their number in its table.
         self._warm_kernels: dict[tuple, Any] = {}
         self._warm_ops: dict[str, int] = {}
+        self._warm_refused: set[str] = set()  # operators whose native calls failed
 
     def __call__(self, spec: OpSpec, *args: Any) -> torch.Tensor:
         op = self._warm_ops.get(spec.name)
         if op is not None:
-            out = native.module().call(op, *args)
+            try:
+                out = native.module().call(op, *args)
+            except Exception as exc:
+                return self._native_failed(spec, args, exc)
             if out is not None:  # a tensor, or a tvm-ffi array of them
                 return out if type(out) is torch.Tensor else tuple(out)
+        return self._python_path(spec, args)
+
+    def _python_path(self, spec: OpSpec, args: tuple) -> torch.Tensor:
         call = spec.prepare(*args)
         key = (spec.name, call.device, call.problem)
         launcher = self._launchers.get(key)
@@ -138,9 +145,23 @@ class Dispatcher:
             self._warm_up(spec, args, call, kernel)
         return out
 
+    def _native_failed(self, spec: OpSpec, args: tuple, exc: Exception) -> torch.Tensor:
+        """A native call raised. Its signature once ran on the Python path, so run it there: if
+        that raises too, the failure is the call's (a full device, a device error) and is the
+        user's to see; if not, the operator's recipe does not fit its kernel, and the operator
+        keeps the Python path from now on."""
+        out = self._python_path(spec, args)
+        if self._warm_ops.pop(spec.name, None) is not None:
+            self._warm_refused.add(spec.name)
+            log.warning("tileops: %s leaves the native warm path, where it failed (%s: %s); "
+                        "its calls take the Python path", spec.name, type(exc).__name__, exc)
+        return out
+
     def _warm_up(self, spec: OpSpec, args: tuple, call: Any, kernel: Any) -> None:
         """Hand a call the Python path just ran to the native warm path, where the spec says how
         its kernel runs it."""
+        if spec.name in self._warm_refused:
+            return
         made = spec.warm_recipe(args, call, kernel)
         if made is None:
             return
@@ -215,6 +236,7 @@ class Dispatcher:
         self.choices.clear()
         self._warm_kernels.clear()
         self._warm_ops.clear()
+        self._warm_refused.clear()
         native.clear()
         _target.clear_cache()
 

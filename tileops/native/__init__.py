@@ -27,7 +27,7 @@ import torch
 log = logging.getLogger("tileops")
 
 # How a kernel argument is made from the call (warm.cc's `Kind`).
-INPUT, INPUT_SWAPPED, OUTPUT, SCRATCH = 0, 1, 2, 3
+INPUT, INPUT_SWAPPED, OUTPUT, SCRATCH, INPUT_WORDS = 0, 1, 2, 3, 4
 
 
 class Buffer(NamedTuple):
@@ -41,6 +41,7 @@ class Buffer(NamedTuple):
 class Recipe(NamedTuple):
     """The kernel's arguments, in order, each (kind, index): (INPUT, i) the call's argument i,
     (INPUT_SWAPPED, i) that 2-D tensor with its dimensions swapped (`w.t()` passed as `w`),
+    (INPUT_WORDS, i) that 2-D byte tensor, contiguous, read as int32 words (`.view(torch.int32)`),
     (OUTPUT, j) or (SCRATCH, j) buffer j. The returned buffers come back in order: one alone,
     several as a tuple."""
 

@@ -29,7 +29,7 @@ namespace ffi = tvm::ffi;
 namespace {
 
 // How a kernel argument is made (the recipe's `kind`, mirrored in tileops/native/__init__.py).
-enum Kind : int64_t { kInput = 0, kInputSwapped = 1, kOutput = 2, kScratch = 3 };
+enum Kind : int64_t { kInput = 0, kInputSwapped = 1, kOutput = 2, kScratch = 3, kInputWords = 4 };
 
 struct Buffer {
   DLDataType dtype;
@@ -128,19 +128,19 @@ void Call(ffi::PackedArgs args, ffi::Any* rv) {
     buffers.push_back(ffi::Tensor::FromEnvAlloc(
         TVMFFIEnvTensorAlloc, ffi::ShapeView(b.shape.data(), b.shape.size()), b.dtype, device));
   }
-  // Inputs with swapped dimensions are described here, pointing at the input's data.
-  std::vector<DLTensor> swapped(n);
-  std::vector<int64_t> swapped_dims(4 * n);
+  // Inputs seen another way are described here, pointing at the input's data: 2-D, with
+  // their dimensions swapped, or (row-major bytes) as rows of 32-bit words.
+  std::vector<DLTensor> views(n);
+  std::vector<int64_t> view_dims(4 * n);
   std::vector<ffi::AnyView> call_args(n);
   for (int i = 0; i < n; ++i) {
     auto [kind, index] = entry->args[i];
     if (kind == kInput) {
       call_args[i] = args[1 + index];
-    } else if (kind == kInputSwapped) {
+    } else if (kind == kInputSwapped || kind == kInputWords) {
       ffi::TensorView t = args[1 + index].cast<ffi::TensorView>();
-      int64_t* dims = &swapped_dims[4 * i];
-      dims[0] = t.size(1), dims[1] = t.size(0), dims[2] = t.stride(1), dims[3] = t.stride(0);
-      DLTensor& d = swapped[i];
+      int64_t* dims = &view_dims[4 * i];
+      DLTensor& d = views[i];
       d.data = t.data_ptr();
       d.device = t.device();
       d.ndim = 2;
@@ -148,6 +148,12 @@ void Call(ffi::PackedArgs args, ffi::Any* rv) {
       d.shape = dims;
       d.strides = dims + 2;
       d.byte_offset = t.byte_offset();
+      if (kind == kInputSwapped) {
+        dims[0] = t.size(1), dims[1] = t.size(0), dims[2] = t.stride(1), dims[3] = t.stride(0);
+      } else {  // registered only for contiguous rows of whole words
+        dims[0] = t.size(0), dims[1] = t.size(1) / 4, dims[2] = t.stride(0) / 4, dims[3] = 1;
+        d.dtype = DLDataType{kDLInt, 32, 1};
+      }
       call_args[i] = &d;
     } else {
       call_args[i] = buffers[index];

@@ -6,6 +6,7 @@ import torch
 
 from ...dispatch import DISPATCHER
 from ...library import register
+from ...spec import refuse_grad
 from .format import dequantize_mxfp4, quantize_mxfp4
 from .packed_spec import MXFP4_GEMM_PACKED
 from .prepack import PrepackedMxfp4, prepack_mxfp4
@@ -60,6 +61,7 @@ def mxfp4_gemm(a: torch.Tensor, w_fp4: torch.Tensor | PrepackedMxfp4,
                         "from prepack_mxfp4)")
     if torch.compiler.is_compiling():
         return _op(a, w_fp4, w_scale)
+    refuse_grad("mxfp4_gemm", a=a)  # before dispatch: the native warm path's key does not see it
     return DISPATCHER(MXFP4_GEMM, a, w_fp4, w_scale)
 
 

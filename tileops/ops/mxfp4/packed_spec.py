@@ -98,6 +98,10 @@ class Mxfp4PackedSpec(Mxfp4GemmSpec):
                     f"{target.arch}; call mxfp4_gemm(a, w_fp4, w_scale) there")
         return super().unsupported_reason(target)
 
+    def warm_recipe(self, args: tuple, call: Call, kernel: Any) -> None:
+        """None: the prepacked weight is an object, which the native key cannot hold."""
+        return None
+
     def prepare(self, a: torch.Tensor, packed: PrepackedMxfp4) -> Call:
         try:
             M, K = a.shape

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ...native import INPUT, INPUT_WORDS, OUTPUT, SCRATCH, Buffer, Recipe
 from ...spec import Backend, Call, Config, OpSpec, Space, pow2_bucket, refuse_grad
 from ...target import Target
 from ..host import (
@@ -29,6 +30,7 @@ from ..host import (
     dtype_name,
     gpu_adapter,
     smem_limit,
+    warm_kernel,
 )
 from . import kernels
 from .constants import BLOCK
@@ -243,6 +245,18 @@ class Mxfp4GemmSpec(OpSpec):
         c = out if out is not None else a.new_empty(a.shape[0], w.fp4.shape[0])
         kernel(a, w.fp4.view(torch.int32), w.scale, c)  # the kernels read words (kernels.py)
         return c
+
+    def warm_recipe(self, args: tuple, call: Call, kernel: Any) -> tuple[Any, Recipe] | None:
+        """`launch` for the native warm path: a, the fp4 bytes as int32 words, the scales, c,
+        then any workspace. None where `prepare` copied an operand: the copy is not replayed."""
+        a, w_fp4, w_scale = args
+        a2, w = call.args
+        if a2 is not a or w.fp4 is not w_fp4 or w.scale is not w_scale:
+            return None
+        fn, scratch = warm_kernel(kernel, a.shape[0])
+        buffers = (Buffer((a.shape[0], w_fp4.shape[0]), a.dtype), *scratch)
+        return fn, Recipe(((INPUT, 0), (INPUT_WORDS, 1), (INPUT, 2), (OUTPUT, 0),
+                           *((SCRATCH, j) for j in range(1, len(buffers)))), buffers)
 
     def launch_baseline(self, args: tuple) -> torch.Tensor:
         a, w = args
