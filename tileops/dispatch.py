@@ -1,8 +1,10 @@
 """Dispatch: resolve a call's configuration, compile it once, launch it.
 
-The warm path of a call is `spec.prepare` (validation and the problem key), one dict lookup keyed
-by (operator, device, problem) and the launch; resolution and compilation happen on the first call
-of each problem bucket only. Compiled kernels are memoised in-process by (target, kernel key,
+The Python path of a call is `spec.prepare` (validation and the problem key), one dict lookup
+keyed by (operator, device, problem) and the launch; resolution and compilation happen on the
+first call of each problem bucket only. Where the spec gives a recipe (`OpSpec.warm_recipe`), a
+call is then handed to the native warm path (`tileops.native`), which runs later calls of the same
+signature from C++. Compiled kernels are memoised in-process by (target, kernel key,
 config); TileLang's disk cache (`TILELANG_CACHE_DIR`) makes a new process's first call cheap too.
 """
 
