@@ -185,8 +185,9 @@ def _projected(configs: list[tuple[Config, str]], space: Space) -> list[tuple[Co
     out, seen = [], set()
     for config, source in configs:
         point = studies.nearest(config, space)
-        if canonical(point) not in seen:
-            seen.add(canonical(point))
+        key = canonical(point)
+        if key not in seen:
+            seen.add(key)
             out.append((point, source))
     return out
 

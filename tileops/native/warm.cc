@@ -5,11 +5,11 @@
 //
 // An entry's key is everything the Python path read from the call: per tensor its dtype,
 // device, shape, strides, byte offset and whether its data is 16-byte aligned; per other
-// argument its type and value. Its recipe says how the kernel's arguments come from the call: an input as it is,
-// an input with its two dimensions swapped (a `w.t()` view passed as the (N, K) weight it
-// views), or an output or scratch buffer allocated here, through the caller's allocator
-// (torch's, with its CUDA-graph pools) on the caller's current stream, both of which tvm-ffi
-// sets up for the duration of the call.
+// argument its type and value. Its recipe says how the kernel's arguments come from the call:
+// an input as it is, an input with its two dimensions swapped (a `w.t()` view passed as the
+// (N, K) weight it views), a byte input read as 32-bit words, or an output or scratch buffer
+// allocated here, through the caller's allocator (torch's, with its CUDA-graph pools) on the
+// caller's current stream, both of which tvm-ffi sets up for the duration of the call.
 
 #include <tvm/ffi/container/array.h>
 #include <tvm/ffi/container/tensor.h>
@@ -42,6 +42,7 @@ struct Entry {
   std::vector<std::pair<int64_t, int64_t>> args;  // (kind, index)
   std::vector<Buffer> buffers;                    // outputs and scratch, by index
   int64_t n_returned;
+  DLDevice device;  // where the buffers go: the call's tensors' (the key holds it)
 };
 
 struct KeyHash {
@@ -117,16 +118,10 @@ void Call(ffi::PackedArgs args, ffi::Any* rv) {
   const int n = static_cast<int>(entry->args.size());
   std::vector<ffi::Tensor> buffers;
   buffers.reserve(entry->buffers.size());
-  DLDevice device{kDLCPU, 0};
-  for (int i = 1; i < args.size(); ++i) {
-    if (auto t = args[i].try_cast<ffi::TensorView>()) {
-      device = t->device();
-      break;
-    }
-  }
   for (const Buffer& b : entry->buffers) {
-    buffers.push_back(ffi::Tensor::FromEnvAlloc(
-        TVMFFIEnvTensorAlloc, ffi::ShapeView(b.shape.data(), b.shape.size()), b.dtype, device));
+    buffers.push_back(ffi::Tensor::FromEnvAlloc(TVMFFIEnvTensorAlloc,
+                                                ffi::ShapeView(b.shape.data(), b.shape.size()),
+                                                b.dtype, entry->device));
   }
   // Inputs seen another way are described here, pointing at the input's data: 2-D, with
   // their dimensions swapped, or (row-major bytes) as rows of 32-bit words.
@@ -203,6 +198,13 @@ void Register(ffi::PackedArgs args, ffi::Any* rv) {
     entry->buffers.push_back(std::move(b));
   }
   TVM_FFI_ICHECK_EQ(pos, 3 + n_header) << "malformed warm-path header";
+  entry->device = DLDevice{kDLCPU, 0};
+  for (int i = pos; i < args.size(); ++i) {
+    if (auto t = args[i].try_cast<ffi::TensorView>()) {
+      entry->device = t->device();
+      break;
+    }
+  }
   std::vector<int64_t> key;
   if (!MakeKey(op, args, pos, &key)) {
     *rv = false;
