@@ -31,6 +31,22 @@ def test_attention_overlap_variant_lowers_on_sm90a():
     assert "wgmma_ss" in src and "wgmma_rs" in src
 
 
+@pytest.mark.parametrize(("causal", "head_dim", "threads"), [(False, 128, 256), (True, 64, 128)])
+def test_attention_warp_specialised_overlap_lowers_on_sm90a(causal, head_dim, threads):
+    problem = ATTENTION.Problem(2, 1024, 1024, 32, 8, head_dim, causal, "bfloat16")
+    config = {**ATTENTION.default_config(problem, H200), "overlap": 2, "threads": threads,
+              "block_M": threads // 2}
+    assert ATTENTION.check_config(problem, config, H200) is None
+    src = lower(ATTENTION.build(problem, config, H200), H200).kernel_source
+    consumer = src[src.index("warpgroup_reg_alloc<240>"):]
+    assert "warpgroup_reg_dealloc<24>" in src  # the producer warp gives its registers up
+    # Q K^T (shared operands) of a block, P V (P in registers) of the one before it, and the
+    # softmax after waiting for the first only
+    assert consumer.index("wgmma_ss") < consumer.index("wgmma_rs") < consumer.index(
+        "wait_wgmma<1>")
+    assert ATTENTION.check_config(problem, config, A100).startswith("overlap 2")
+
+
 def test_attention_pingpong_hands_over_between_the_two_consumer_warpgroups():
     problem = ATTENTION.Problem(2, 1024, 1024, 32, 8, 128, False, "bfloat16")
     config = {**ATTENTION.default_config(problem, H200), "pingpong": 1}

@@ -51,8 +51,9 @@ def test_attention_cuda(B, Sq, Skv, Hq, Hkv, D, causal, dtype):
     check(out, lse, ATTENTION.reference((q, k, v, causal)))
 
 
-SCHEDULES = pytest.mark.parametrize("schedule", [{}, {"pingpong": 1}, {"overlap": 1}],
-                                     ids=["default", "pingpong", "overlap"])
+SCHEDULES = pytest.mark.parametrize("schedule", [{}, {"pingpong": 1}, {"overlap": 1},
+                                                 {"overlap": 2}],
+                                     ids=["default", "pingpong", "overlap", "ws_overlap"])
 
 
 def compiled(problem, schedule):

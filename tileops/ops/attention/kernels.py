@@ -49,6 +49,30 @@ def _visible(query, key, seqlen_q, seqlen_kv, causal: bool):
     return key < seqlen_kv
 
 
+@T.macro
+def _mask_hidden(S, q0, k0, seqlen_q, seqlen_kv, causal: bool):
+    """Scores of keys a query does not see become -inf. Applied after the product, only in the
+    blocks that hold such keys, so that whatever a hidden key gives, NaN included, never reaches
+    the rows that do not see it."""
+    for i, j in T.Parallel(S.shape[0], S.shape[1]):
+        S[i, j] = T.if_then_else(_visible(q0 + i, k0 + j, seqlen_q, seqlen_kv, causal), S[i, j],
+                                 -T.infinity(ACCUM))
+
+
+@T.macro
+def _store(acc, l, m, O_s, O, LSE, b, head, q0, seqlen_q, scale):  # noqa: E741
+    """O = acc / l through shared memory, and the log-sum-exp. l = 0: the query saw no key (zeros,
+    LSE -inf). A NaN l (a NaN input) must give NaN, so the test is l == 0, not l > 0."""
+    for i, j in T.Parallel(acc.shape[0], acc.shape[1]):
+        acc[i, j] = T.if_then_else(l[i] == 0, 0, acc[i, j] / l[i])
+    T.copy(acc, O_s)
+    T.copy(O_s, O[b, q0:q0 + acc.shape[0], head, :])
+    for i in T.Parallel(acc.shape[0]):
+        if q0 + i < seqlen_q:
+            LSE[b, head, q0 + i] = T.if_then_else(
+                l[i] == 0, -T.infinity(ACCUM), (m[i] * scale + T.log2(l[i])) * LN2)
+
+
 # The KV loop body's 14 statements, scheduled for `overlap`: K load (0), Q K^T (1-2), the mask
 # of hidden keys (3), online softmax (4-10), rescale O (11), V load (12), P V (13). In steady
 # state iteration k loads K and V of k and issues Q K^T(k), then the rescale and P V of k - 1
@@ -75,13 +99,17 @@ def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
     With `overlap` 0, TileLang warp-specialises it on sm_90a: a TMA producer warpgroup feeds
     `threads` of wgmma consumers through `num_stages` K/V buffers. With `overlap` 1 the loop is
     scheduled by hand (`_OVERLAP`, two stages, cp.async loads, no producer warpgroup) so that the
-    softmax of one KV block sits between the products of its neighbours.
+    softmax of one KV block sits between the products of its neighbours. `overlap` 2 is that
+    order with a TMA producer (`ws_overlap_program`, sm_90).
 
     `pingpong` 1 (sm_90, `overlap` 0, two consumer warpgroups) takes turns on the tensor cores:
     a warpgroup issues a product only after the other finished its own, and hands over as soon
     as its product is done, so that each one's softmax runs under the other's products instead
     of both warpgroups computing softmax at once while the tensor cores idle.
     """
+    if overlap == 2:
+        return ws_overlap_program(heads_q, heads_kv, head_dim, causal, dtype, block_M=block_M,
+                                  block_N=block_N, num_stages=num_stages, threads=threads)
     batch, seqlen_q, seqlen_kv = T.dynamic("batch"), T.dynamic("seqlen_q"), T.dynamic("seqlen_kv")
     # AMD MFMA K packing (the hip space varies it) for Q K^T; P V keeps the default, since a packed
     # layout of the scores would not match the one P needs as a register operand.
@@ -135,10 +163,8 @@ def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
                 if pingpong and kb == 0 and wg == 1:  # warpgroup 0 goes first (inside the
                     T.named_barrier_arrive(_PINGPONG_BARRIER, 256)  # loop: consumer threads)
                 T.copy(K[b, kb * block_N:(kb + 1) * block_N, kv_head, :], K_s)
-                # Hidden keys are masked after the product, only in the blocks that hold any
-                # (blocks every query sees whole skip it), so that whatever a hidden key gives,
-                # NaN included, never reaches the rows that do not see it; the scale goes into
-                # the exponent's multiply-add. The row maxima are of unscaled scores.
+                # The scale goes into the exponent's multiply-add: the row maxima are of
+                # unscaled scores.
                 T.fill(S, 0)
                 if pingpong:
                     T.sync_threads(mine, 256)  # the other warpgroup's product is done
@@ -147,10 +173,7 @@ def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
                 if pingpong:
                     T.named_barrier_arrive(other, 256)
                 if kb >= n_full:
-                    for i, j in T.Parallel(block_M, block_N):
-                        S[i, j] = T.if_then_else(
-                            _visible(q0 + i, kb * block_N + j, seqlen_q, seqlen_kv, causal),
-                            S[i, j], neg_inf)
+                    _mask_hidden(S, q0, kb * block_N, seqlen_q, seqlen_kv, causal)
                 online_softmax(S, m, m_prev, m_safe, alpha, row_sum, l, scale)
                 T.copy(S, P)
                 for i, j in T.Parallel(block_M, head_dim):
@@ -169,16 +192,124 @@ def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
                 T.gemm(P, V_s, acc, policy=T.GemmWarpPolicy.FullRow)
                 if pingpong:
                     T.named_barrier_arrive(other, 256)
-            # l = 0: the query saw no key (zeros, LSE -inf). A NaN l (a NaN input) must give
-            # NaN, so the test is l == 0, not l > 0.
-            for i, j in T.Parallel(block_M, head_dim):
-                acc[i, j] = T.if_then_else(l[i] == 0, 0, acc[i, j] / l[i])
-            T.copy(acc, O_s)
-            T.copy(O_s, O[b, q0:q0 + block_M, head, :])
-            for i in T.Parallel(block_M):
-                if q0 + i < seqlen_q:
-                    LSE[b, head, q0 + i] = T.if_then_else(
-                        l[i] == 0, neg_inf, (m[i] * scale + T.log2(l[i])) * LN2)
+            _store(acc, l, m, O_s, O, LSE, b, head, q0, seqlen_q, scale)
+
+    return flash_attention
+
+
+def _ws_overlap_schedule(consumer_warps: int, Q_s, K_s, V_s, num_stages: int):
+    """`ws_overlap_program`'s roles, pipelines and the order of its named steps."""
+    return T.WSSchedule(
+        num_warps=4 + consumer_warps,
+        roles=[T.WSRole("Producer", warps_lo=0, warps_hi=1, max_nreg=24),
+               T.WSRole("Consumer", warps_lo=4, warps_hi=4 + consumer_warps, max_nreg=240)],
+        pipelines=[T.WSPipeline("q", [Q_s], depth=1),
+                   T.WSPipeline("k", [K_s], depth=num_stages),
+                   T.WSPipeline("v", [V_s], depth=num_stages + 1)],
+        scopes=[
+            T.WSScope("kv", {
+                "Producer": [T.WSSync.producer_acquire("k"), "load_k",
+                             T.WSSync.producer_commit("k"),
+                             T.WSSync.producer_acquire("v"), "load_v",
+                             T.WSSync.producer_commit("v")],
+                "Consumer": [T.WSSync.consumer_wait("k", stage=1), "qk",
+                             T.WSSync.consumer_wait("v", stage=2), "pv", "wait_qk",
+                             T.WSSync.consumer_release("k", stage=1), "mask", "softmax",
+                             "wait_pv", T.WSSync.consumer_release("v", stage=2), "rescale",
+                             "cast"],
+            }),
+            T.WSScope(T.WSScope.ROOT, {
+                "Producer": ["bounds", T.WSSync.producer_acquire("q"), "load_q",
+                             T.WSSync.producer_commit("q"), "kv"],
+                "Consumer": ["bounds", "init", T.WSSync.consumer_wait("q"), "kv",
+                             T.WSSync.consumer_release("q"), "final"],
+            }),
+        ])
+
+
+def ws_overlap_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype: str, *,
+                       block_M: int, block_N: int, num_stages: int, threads: int):
+    """FlashAttention-3's order inside each consumer warpgroup, warp-specialised by hand (sm_90).
+
+    A producer warp (24 registers) streams Q, K and V by TMA; `threads` of consumers (240
+    registers) issue Q K^T of block k, then P V of block k - 1, and run the softmax of block k
+    while that P V is on the tensor cores. K has `num_stages` buffers and V one more, since a V
+    block is read one iteration after its K. Each buffer goes back to the producer only after the
+    wait that ends its product: TileLang's automatic warp specialisation releases a stage before
+    an asynchronous wgmma's wait, so this schedule is written out (`T.WSSchedule`).
+    """
+    batch, seqlen_q, seqlen_kv = T.dynamic("batch"), T.dynamic("seqlen_q"), T.dynamic("seqlen_kv")
+    group = heads_q // heads_kv
+    scale = head_dim ** -0.5 * LOG2E
+    q_shape = (batch, seqlen_q, heads_q, head_dim)
+    kv_shape = (batch, seqlen_kv, heads_kv, head_dim)
+    @T.prim_func
+    def flash_attention(Q: T.Tensor(q_shape, dtype), K: T.Tensor(kv_shape, dtype),
+                        V: T.Tensor(kv_shape, dtype), O: T.Tensor(q_shape, dtype),
+                        LSE: T.Tensor((batch, heads_q, seqlen_q), ACCUM)):
+        with T.Kernel(T.ceildiv(seqlen_q, block_M), heads_q, batch, threads=threads) as (
+                bx, head, b):
+            Q_s = T.alloc_shared((block_M, head_dim), dtype)
+            K_s = T.alloc_shared((block_N, head_dim), dtype)
+            V_s = T.alloc_shared((block_N, head_dim), dtype)
+            O_s = T.alloc_shared((block_M, head_dim), dtype)
+            S = T.alloc_fragment((block_M, block_N), ACCUM)
+            P = T.alloc_fragment((block_M, block_N), dtype)
+            acc = T.alloc_fragment((block_M, head_dim), ACCUM)
+            m = T.alloc_fragment((block_M,), ACCUM)
+            m_prev = T.alloc_fragment((block_M,), ACCUM)
+            m_safe = T.alloc_fragment((block_M,), ACCUM)
+            alpha = T.alloc_fragment((block_M,), ACCUM)
+            l = T.alloc_fragment((block_M,), ACCUM)  # noqa: E741
+            row_sum = T.alloc_fragment((block_M,), ACCUM)
+            T.annotate_ws_schedule(_ws_overlap_schedule(threads // 32, Q_s, K_s, V_s,
+                                                        num_stages))
+            with T.ws_op("bounds"):
+                q0 = (T.ceildiv(seqlen_q, block_M) - 1 - bx if causal else bx) * block_M
+                kv_head = head // group
+                # Always one block at least (a query block that sees no key runs one, masked):
+                # with a loop that may be empty, the pipeliner's peeled first iteration is
+                # conditional, and ptxas then serialises every wgmma (C7515).
+                n_blocks = T.max(_kv_blocks(q0, block_M, block_N, seqlen_q, seqlen_kv, causal),
+                                 1)
+                n_full = _full_blocks(q0, block_N, seqlen_q, seqlen_kv, causal)
+            T.copy(Q[b, q0:q0 + block_M, head, :], Q_s, annotations={T.WSID: "load_q"})
+            with T.ws_op("init"):
+                T.fill(P, 0)  # the first iteration's P V (of no block) reads it
+                T.fill(acc, 0)
+                T.fill(l, 0)
+                T.fill(m, -T.infinity(ACCUM))
+            for kb in T.Pipelined(n_blocks, num_stages=num_stages,
+                                  annotations={T.WSID: "kv"}):
+                T.copy(K[b, kb * block_N:(kb + 1) * block_N, kv_head, :], K_s,
+                       annotations={T.WSID: "load_k"})
+                T.copy(V[b, kb * block_N:(kb + 1) * block_N, kv_head, :], V_s,
+                       annotations={T.WSID: "load_v"})
+                with T.ws_op("qk"):
+                    T.fill(S, 0)
+                    T.wgmma_gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                T.wgmma_gemm(P, V_s, acc, policy=T.GemmWarpPolicy.FullRow,
+                             annotations={T.WSID: "pv"})
+                with T.ws_op("wait_qk"):  # P V of kb - 1 goes on (none is in flight at kb 0)
+                    if kb == 0:
+                        T.wait_wgmma(0)
+                    else:
+                        T.wait_wgmma(1)
+                with T.ws_op("mask"):
+                    if kb >= n_full:
+                        _mask_hidden(S, q0, kb * block_N, seqlen_q, seqlen_kv, causal)
+                with T.ws_op("softmax"):
+                    online_softmax(S, m, m_prev, m_safe, alpha, row_sum, l, scale)
+                with T.ws_op("wait_pv"):
+                    T.wait_wgmma(0)
+                with T.ws_op("rescale"):
+                    for i, j in T.Parallel(block_M, head_dim):
+                        acc[i, j] *= alpha[i]
+                with T.ws_op("cast"):
+                    T.copy(S, P)
+            with T.ws_op("final"):
+                T.wait_wgmma(0)  # the last P V, issued after the loop
+                _store(acc, l, m, O_s, O, LSE, b, head, q0, seqlen_q, scale)
 
     return flash_attention
 

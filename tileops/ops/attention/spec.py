@@ -91,14 +91,17 @@ def _check_gpu(problem: AttentionProblem, config: Config, target: Target) -> str
     """The schedules' own rules, shared memory, accumulator registers and wgmma row blocks."""
     bm, bn, D = config["block_M"], config["block_N"], problem.head_dim
     threads, stages = config["threads"], config["num_stages"]
-    if config.get("overlap") and stages != 2:
-        return "overlap schedules its own two-stage pipeline (num_stages 2 only)"
-    if config.get("pingpong") and (config.get("overlap") or threads != 256
-                                   or not target.is_hopper):
+    overlap = config.get("overlap", 0)
+    if overlap == 1 and stages != 2:
+        return "overlap 1 schedules its own two-stage pipeline (num_stages 2 only)"
+    if overlap == 2 and not target.is_hopper:
+        return "overlap 2 is warp-specialised for sm_90 (TMA producer, asynchronous wgmma)"
+    if config.get("pingpong") and (overlap or threads != 256 or not target.is_hopper):
         return "pingpong alternates two wgmma consumer warpgroups (sm_90, overlap 0, 256 threads)"
     esize = DTYPE_SIZES[problem.dtype]
-    # Q and O tiles, plus K and V tiles per pipeline stage.
-    smem = (2 * bm * D + max(stages, 1) * 2 * bn * D) * esize
+    # Q and O tiles, plus K and V tiles per pipeline stage (overlap 2: one V tile more).
+    kv_tiles = 2 * max(stages, 1) + (overlap == 2)
+    smem = (2 * bm * D + kv_tiles * bn * D) * esize
     limit = smem_limit(target.arch)
     if smem > limit:
         return f"shared memory {smem // 1024} KiB > {limit // 1024} KiB"
