@@ -7,4 +7,4 @@ def pytest_addoption(parser):
     parser.addoption("--suite", default="quickstart", help="workload suite to benchmark")
     parser.addoption("--bench-dtype", default=None, help="comma-separated dtypes to keep")
     parser.addoption("--bench-device", default="auto")
-    parser.addoption("--bench-limit", type=int, default=None, help="first N problems only")
+    parser.addoption("--bench-limit", type=int, default=None, help="first N cases only")

@@ -3,17 +3,18 @@
     python benchmarks/harness.py --suite gemm_llama [--dtype bfloat16] [--limit N] [--device auto]
                                  [--jobs N] [--op NAME] [--where FIELD=V1,V2]
 
-For each problem, in one process on the same inputs and with the tuner's timer (CUDA events after
-warm-up, L2 flushed before each launch, median): the public call through dispatch (`tileops_us`),
-made as a serving engine makes it (`OpSpec.serving_args`: MLA decode's per-step metadata computed
-once, outside the timed region, as an engine computes it once per step for all its layers),
-the baseline (`baseline_us`), the best tile kernel on its own (`tile_us`, the configuration
-dispatch resolved, launched directly), and the library paths the spec reports beside the baseline
-(`beside_us`, e.g. SDPA's flash backend for attention). Writes `results/<device>/<op>.json` in
-the results format of the project's guide, which `benchmarks/report.py` renders; resumable
-(`--resume` keeps the cases already in the file). The kernels dispatch will choose are first
-compiled in parallel (`--jobs` processes, into TileLang's disk cache), so a long suite is not
-compiled one kernel at a time.
+For each case of the suite (its problems at the sizes it names, `Suite.cases`: a length of 3000
+runs at 3000, not at its bucket's 4096), in one process on the same inputs and with the tuner's
+timer (CUDA events after warm-up, L2 flushed before each launch, median): the public call through
+dispatch (`tileops_us`), made as a serving engine makes it (`OpSpec.serving_args`: MLA decode's
+per-step metadata computed once, outside the timed region, as an engine computes it once per step
+for all its layers), the baseline (`baseline_us`), the best tile kernel on its own (`tile_us`, the
+configuration dispatch resolved, launched directly), and the library paths the spec reports beside
+the baseline (`beside_us`, e.g. SDPA's flash backend for attention). Writes
+`results/<device>/<op>.json` in the results format of the project's guide, which
+`benchmarks/report.py` renders; resumable (`--resume` keeps the cases already in the file). The
+kernels dispatch will choose are first compiled in parallel (`--jobs` processes, into TileLang's
+disk cache), so a long suite is not compiled one kernel at a time.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def versions() -> dict[str, str]:
 
 def run_case(spec: OpSpec, problem: tuple, target: Target, device: torch.device,
              timer: Timer) -> dict[str, Any]:
-    """Time one problem three ways and check the user call against the reference."""
+    """Time one problem three ways and check the user call against the reference. `problem` may
+    be exact (a `Suite.cases` entry): the inputs have its sizes, the call's key their bucket."""
     inputs = spec.make_inputs(problem, device, seed=7)
     args = spec.serving_args(inputs)  # what an engine computes once per step: not timed
     call = spec.prepare(*args)
@@ -89,9 +91,10 @@ def run_case(spec: OpSpec, problem: tuple, target: Target, device: torch.device,
 
 def precompile(spec: OpSpec, problems: list[tuple], target: Target, device: torch.device,
                jobs: int) -> None:
-    """Compile the tile kernel dispatch resolves for each problem, `jobs` at a time."""
+    """Compile the tile kernel dispatch resolves for each problem (exact or a key: dispatch
+    resolves its key), `jobs` at a time."""
     todo = []
-    for problem in problems:
+    for problem in dict.fromkeys(map(spec.bucket, problems)):
         choice = DISPATCHER.choice(spec, target, problem)
         if choice.config is not None:
             todo.append(Job(spec, problem, target, str(device), choice.config))
@@ -106,11 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--suite", required=True)
     ap.add_argument("--dtype", help="comma-separated dtypes to keep (default: the suite's)")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--limit", type=int, help="first N problems only")
+    ap.add_argument("--limit", type=int, help="first N cases only")
     ap.add_argument("--op", help="another spec of the suite's operator (e.g. mxfp4_gemm_packed: "
                     "the same problems on a prepacked weight)")
-    ap.add_argument("--where", metavar="FIELD=V1,V2", help="only problems whose FIELD (e.g. M) "
-                    "is one of these values")
+    ap.add_argument("--where", metavar="FIELD=V1,V2", help="only cases whose FIELD (e.g. M, "
+                    "as the suite names it) is one of these values")
     ap.add_argument("--out", type=Path, help="default results/<device>/<op>.json")
     ap.add_argument("--resume", action="store_true", help="keep cases already in --out")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
@@ -121,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = tileops.get_spec(args.op or suite.op)
     if args.op and spec.Problem is not tileops.get_spec(suite.op).Problem:
         ap.error(f"--op {args.op}: its problems are not those of suite {args.suite}")
-    problems = suite.problems
+    problems = suite.cases
     if args.where:
         field, _, values = args.where.partition("=")
         if field not in spec.Problem._fields:

@@ -27,7 +27,7 @@ def pytest_generate_tests(metafunc):
         opt = metafunc.config.getoption
         dtypes = opt("--bench-dtype")
         suite = suites.load(opt("--suite"), dtypes.split(",") if dtypes else None)
-        problems = suite.problems[: opt("--bench-limit")]
+        problems = suite.cases[: opt("--bench-limit")]  # the sizes the suite names
         spec = tileops.get_spec(suite.op)
         metafunc.parametrize("problem", problems, ids=[spec.problem_label(p) for p in problems])
         metafunc.parametrize("op", [suite.op], scope="session")

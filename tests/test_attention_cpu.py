@@ -7,7 +7,10 @@ shares one compiled kernel.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -148,6 +151,27 @@ def test_parse_problem():
     for bad in ("8x4096x32x8x128", "2x16x16x3x2x64", "2x16x16x4x2x96", "2x16x16x4x2x64:c"):
         with pytest.raises(ValueError, match="attention shape"):
             ATTENTION.parse_problem(bad, "bfloat16")
+    exact = ATTENTION.parse_exact("2x3000x1000x32x8x128:causal", "bfloat16")
+    assert exact == ATTENTION.Problem(2, 3000, 1000, 32, 8, 128, True, "bfloat16")
+    assert ATTENTION.bucket(exact) == ATTENTION.parse_problem("2x3000x1000x32x8x128:causal",
+                                                              "bfloat16")
+
+
+def test_harness_times_the_lengths_a_suite_names(tmp_path):
+    """benchmarks/harness.py runs a suite's cases at their own lengths (100 and 120: one bucket,
+    one kernel), not at the bucket's 128."""
+    loaded = importlib.util.spec_from_file_location(
+        "harness", Path(__file__).resolve().parents[1] / "benchmarks" / "harness.py")
+    harness = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(harness)
+    suite, out = tmp_path / "odd.toml", tmp_path / "out.json"
+    suite.write_text('op = "attention"\ndtypes = ["float32"]\n'
+                     'problems = ["1x100x100x4x2x64:causal", "1x120x120x4x2x64:causal"]\n')
+    assert harness.main(["--suite", str(suite), "--device", "cpu", "--jobs", "0",
+                         "--out", str(out)]) == 0
+    cases = json.loads(out.read_text())["cases"]
+    assert [(c["problem"]["seqlen_q"], c["problem"]["seqlen_kv"]) for c in cases] == [
+        (100, 100), (120, 120)]
 
 
 def test_flops_and_bytes():

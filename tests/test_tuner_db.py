@@ -215,10 +215,29 @@ def test_suite_file_format(tmp_path):
     assert got[0] == problem("3x8x8")
     assert got[1:3] == [problem("1x32x16:kn"), problem("2x32x16:kn")]
     assert [p.K for p in got[3:]] == [8, 16] and got[3].out_dtype == "float32"
+    cases = suites.load(str(path)).cases  # as the suite names them; a table's are its problems
+    assert cases[0] == GEMM.parse_exact("3x8x8", "float32") and cases[0].M == 3
+    assert cases[1:] == got[1:]
     lines = tmp_path / "p.txt"
     lines.write_text("# comment\n64x8x8\n1x8x8 float16  # trailing\n")
     assert suites.read_problems_file(GEMM, str(lines), ["float32"]) == [
         problem("64x8x8"), problem("1x8x8", "float16")]
+
+
+def test_suite_cases_keep_the_lengths_they_name(tmp_path):
+    """The tuner tunes each length's bucket; benchmarks run the lengths the suite names."""
+    attention = get_spec("attention")
+    path = tmp_path / "odd.toml"
+    path.write_text('op = "attention"\ndtypes = ["bfloat16"]\nproblems = '
+                    '["4x3000x3000x32x8x128:causal", "4x2500x2500x32x8x128:causal"]\n')
+    suite = suites.load(str(path))
+    assert suite.problems == [attention.Problem(4, 4096, 4096, 32, 8, 128, True, "bfloat16")]
+    assert suite.cases == [attention.Problem(4, 3000, 3000, 32, 8, 128, True, "bfloat16"),
+                           attention.Problem(4, 2500, 2500, 32, 8, 128, True, "bfloat16")]
+    offsuite = suites.load("attention_offsuite")
+    assert {c.seqlen_q for c in offsuite.cases} >= {1000, 3000, 12000}
+    assert {p.seqlen_q for p in offsuite.problems} >= {1024, 4096, 16384}
+    assert offsuite.problems == list(dict.fromkeys(map(attention.bucket, offsuite.cases)))
 
 
 def test_shipped_records_match_this_kernel_source():

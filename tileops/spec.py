@@ -169,9 +169,21 @@ class OpSpec(abc.ABC):
         beside it, serves instead."""
         return True
 
-    @abc.abstractmethod
     def parse_problem(self, text: str, dtype: str) -> tuple:
-        """Parse a problem from the command line (e.g. `4096x4096x4096` for GEMM)."""
+        """Parse a problem from the command line (e.g. `4096x4096x4096` for GEMM): its key, the
+        problem tuned and dispatched for it."""
+        return self.bucket(self.parse_exact(text, dtype))
+
+    @abc.abstractmethod
+    def parse_exact(self, text: str, dtype: str) -> tuple:
+        """Parse a problem text with its sizes as written: a problem whose bucketed fields hold
+        the exact sizes (`make_inputs`, `flops` and `bytes_moved` read them as such), which
+        benchmarks run where the tuner tunes its bucket."""
+
+    def bucket(self, problem: tuple) -> tuple:
+        """The key of an exact problem (`parse_exact`'s): each `bucketed` field's `pow2_bucket`,
+        the one rule `parse_problem` buckets by; a key is its own bucket."""
+        return problem._replace(**{f: pow2_bucket(getattr(problem, f)) for f in self.bucketed})
 
     def problem_dict(self, problem: tuple) -> dict[str, Any]:
         return dict(zip(self.Problem._fields, problem, strict=True))

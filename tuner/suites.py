@@ -17,8 +17,11 @@ A suite is `configs/suites/NAME.toml`, for any operator:
     OTHER_FIELD = "value"
 
 Problems are parsed by the operator's spec (`spec.parse_problem(text, dtype)`), so bucketing and
-defaults are the spec's. A problems file holds one problem per line in the same syntax, optionally
-followed by a dtype; `#` starts a comment.
+defaults are the spec's. A suite's `problems` are the keys the tuner tunes; its `cases` are the
+problems as the suite names them (`spec.parse_exact`: a length of 3000 stays 3000 where its key
+holds the bucket, 4096), what benchmarks run; a table's case is its problem. A problems file
+holds one problem per line in the same syntax, optionally followed by a dtype; `#` starts a
+comment.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ class Suite:
     name: str
     op: str
     description: str
-    problems: list[tuple]
+    problems: list[tuple]  # the keys to tune (bucketed), deduplicated
+    cases: list[tuple]  # the exact problems to benchmark, deduplicated
 
 
 def suites_dir() -> Path:
@@ -72,12 +76,14 @@ def load(name: str, dtypes: list[str] | None = None) -> Suite:
     if "op" not in data:
         raise UsageError(f"suite {path}: no 'op' (the operator it is for)")
     spec = named_spec(data["op"])
-    problems = _dedupe(_suite_problems(spec, data, path, dtypes))
-    return Suite(path.stem, spec.name, str(data.get("description", "")), problems)
+    pairs = list(_suite_problems(spec, data, path, dtypes))
+    return Suite(path.stem, spec.name, str(data.get("description", "")),
+                 _dedupe(key for _, key in pairs), _dedupe(exact for exact, _ in pairs))
 
 
 def _suite_problems(spec: OpSpec, data: dict[str, Any], path: Path,
-                    only: list[str] | None) -> Iterable[tuple]:
+                    only: list[str] | None) -> Iterable[tuple[tuple, tuple]]:
+    """(exact problem, key) of each problem of the suite, in order."""
     def dtypes_of(table: dict[str, Any]) -> list[str]:
         listed = list(table.get("dtypes", data.get("dtypes", [])))
         if not listed:
@@ -86,7 +92,7 @@ def _suite_problems(spec: OpSpec, data: dict[str, Any], path: Path,
 
     for text in data.get("problems", []):
         for dtype in dtypes_of(data):
-            yield parse(spec, text, dtype, where=str(path))
+            yield _case(spec, text, dtype, where=str(path))
     for group in data.get("groups", []):
         names = {k: v if isinstance(v, list) else [v] for k, v in group.items()
                  if k not in ("problems", "dtypes")}
@@ -94,9 +100,9 @@ def _suite_problems(spec: OpSpec, data: dict[str, Any], path: Path,
             fill = dict(zip(names, values, strict=True))
             for text in group.get("problems", []):
                 for dtype in dtypes_of(group):
-                    yield parse(spec, _fill(text, fill, path), dtype, where=str(path))
+                    yield _case(spec, _fill(text, fill, path), dtype, where=str(path))
     for table in data.get("tables", []):
-        yield from _table_problems(spec, table, path, only)
+        yield from ((p, p) for p in _table_problems(spec, table, path, only))
 
 
 def _fill(text: str, values: dict[str, Any], path: Path) -> str:
@@ -155,6 +161,15 @@ def parse(spec: OpSpec, text: str, dtype: str, where: str) -> tuple:
         return spec.parse_problem(text, dtype)
     except ValueError as e:
         raise UsageError(f"{where}: {e}") from None
+
+
+def _case(spec: OpSpec, text: str, dtype: str, where: str) -> tuple[tuple, tuple]:
+    """(exact problem, key) of a problem text."""
+    try:
+        exact = spec.parse_exact(text, dtype)
+    except ValueError as e:
+        raise UsageError(f"{where}: {e}") from None
+    return exact, spec.bucket(exact)
 
 
 def named_spec(name: str) -> OpSpec:

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ...spec import Backend, Call, Config, OpSpec, Space, check_scale, pow2_bucket, refuse_grad
+from ...spec import Backend, Call, Config, OpSpec, Space, check_scale, refuse_grad
 from ...target import Target
 from ..host import DTYPE_NAMES, DTYPE_SIZES, DTYPES, BitsAdapter, dtype_name, smem_limit
 from . import kernels
@@ -222,7 +222,7 @@ class AttentionSpec(OpSpec):
                          "contiguous (stride 1); strides are "
                          f"{q.stride()}, {k.stride()}, {v.stride()}")
 
-    def parse_problem(self, text: str, dtype: str) -> AttentionProblem:
+    def parse_exact(self, text: str, dtype: str) -> AttentionProblem:
         match = re.fullmatch(r"\s*(\d+(?:x\d+){3}|\d+(?:x\d+){5})(:causal)?\s*", text)
         if not match:
             raise ValueError(f"bad attention shape {text!r}: expected BxSQxSKVxHQxHKVxD or "
@@ -238,8 +238,7 @@ class AttentionSpec(OpSpec):
         if min(sizes) < 1 or Hq % Hkv or D not in HEAD_DIMS:
             raise ValueError(f"bad attention shape {text!r}: sizes must be >= 1, heads_q a "
                              f"multiple of heads_kv and head_dim one of {HEAD_DIMS}")
-        return AttentionProblem(B, pow2_bucket(Sq), pow2_bucket(Skv), Hq, Hkv, D,
-                                match.group(2) is not None, dtype)
+        return AttentionProblem(B, Sq, Skv, Hq, Hkv, D, match.group(2) is not None, dtype)
 
     def launch(self, kernel, args: tuple, out: tuple[torch.Tensor, torch.Tensor] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:

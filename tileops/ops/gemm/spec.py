@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ...native import INPUT, INPUT_SWAPPED, OUTPUT, SCRATCH, Buffer, Recipe
-from ...spec import Backend, Call, Config, OpSpec, Space, pow2_bucket, refuse_grad
+from ...spec import Backend, Call, Config, OpSpec, Space, refuse_grad
 from ...target import Target
 from ..host import DTYPE_NAMES as _NAMES
 from ..host import DTYPE_SIZES as _SIZES
@@ -168,7 +168,7 @@ class GemmSpec(OpSpec):
                             f"{type(out_dtype).__name__} {out_dtype!r}")
         raise TypeError(f"gemm: out_dtype {out_dtype} is not supported (allowed: {allowed})")
 
-    def parse_problem(self, text: str, dtype: str) -> GemmProblem:
+    def parse_exact(self, text: str, dtype: str) -> GemmProblem:
         match = re.fullmatch(r"\s*(\d+)x(\d+)x(\d+)(?::(kn|nk))?\s*", text)
         if not match:
             raise ValueError(f"bad GEMM shape {text!r}: expected MxNxK, optionally with :kn or "
@@ -178,7 +178,7 @@ class GemmSpec(OpSpec):
         M, N, K = (int(match.group(i)) for i in (1, 2, 3))
         if min(M, N, K) < 1:
             raise ValueError(f"bad GEMM shape {text!r}: sizes must be >= 1")
-        return GemmProblem(pow2_bucket(M), N, K, dtype, match.group(4) or "nk", dtype)
+        return GemmProblem(M, N, K, dtype, match.group(4) or "nk", dtype)
 
     # ---- kernels --------------------------------------------------------------------------------
     def program_args(self, problem: GemmProblem) -> tuple:

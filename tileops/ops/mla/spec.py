@@ -226,7 +226,7 @@ class MlaDecodeSpec(OpSpec):
                        min(max(read, 0), width) if read is not None else width)
         return Call(q.device, problem, args)
 
-    def parse_problem(self, text: str, dtype: str) -> MlaProblem:
+    def parse_exact(self, text: str, dtype: str) -> MlaProblem:
         match = re.fullmatch(r"\s*B(\d+)xS(\d+)xH(\d+)(?:xQ(\d+))?\s*", text, re.IGNORECASE)
         if not match:
             raise ValueError(f"bad MLA decode problem {text!r}: expected B<batch>xS<seqlen>xH<h_q> "
@@ -239,7 +239,7 @@ class MlaDecodeSpec(OpSpec):
         if B < 1 or H not in HEADS or s_q not in S_Q or s_q > S:
             raise ValueError(f"bad MLA decode problem {text!r}: batch >= 1, h_q in {HEADS}, "
                              f"s_q in {S_Q} and seqlen >= s_q")
-        return MlaProblem(B, pow2_bucket(S), H, s_q, dtype)
+        return MlaProblem(B, S, H, s_q, dtype)
 
     def serving_args(self, inputs: tuple) -> tuple:
         """`inputs` with the step's metadata, as a serving engine passes them to every layer."""

@@ -143,8 +143,8 @@ class Mxfp4PackedSpec(Mxfp4GemmSpec):
         refuse_grad("mxfp4_gemm", a=a)
         raise ValueError(f"mxfp4_gemm: unsupported inputs a {tuple(a.shape)} on {a.device}")
 
-    def parse_problem(self, text: str, dtype: str) -> Mxfp4Problem:
-        problem = super().parse_problem(text, dtype)
+    def parse_exact(self, text: str, dtype: str) -> Mxfp4Problem:
+        problem = super().parse_exact(text, dtype)
         if problem.N % ATOM_ROWS or problem.K % ATOM_K or dtype not in SUPPORTED:
             raise ValueError(f"bad prepacked MXFP4 problem {text!r} ({dtype}): N a multiple of "
                              f"{ATOM_ROWS}, K of {ATOM_K}, bfloat16")

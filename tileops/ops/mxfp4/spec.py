@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ...native import INPUT, INPUT_WORDS, OUTPUT, SCRATCH, Buffer, Recipe
-from ...spec import Backend, Call, Config, OpSpec, Space, pow2_bucket, refuse_grad
+from ...spec import Backend, Call, Config, OpSpec, Space, refuse_grad
 from ...target import Target
 from ..host import (
     DTYPE_SIZES,
@@ -219,7 +219,7 @@ class Mxfp4GemmSpec(OpSpec):
         refuse_grad("mxfp4_gemm", a=a)
         raise ValueError(f"mxfp4_gemm: unsupported inputs a {tuple(a.shape)} on {a.device}")
 
-    def parse_problem(self, text: str, dtype: str) -> Mxfp4Problem:
+    def parse_exact(self, text: str, dtype: str) -> Mxfp4Problem:
         match = re.fullmatch(r"\s*(\d+)x(\d+)x(\d+)\s*", text)
         if not match:
             raise ValueError(f"bad MXFP4 GEMM shape {text!r}: expected MxNxK (weight N x K)")
@@ -230,7 +230,7 @@ class Mxfp4GemmSpec(OpSpec):
         if min(M, N, K) < 1 or K % BLOCK:
             raise ValueError(f"bad MXFP4 GEMM shape {text!r}: sizes must be >= 1 and K a "
                              f"multiple of {BLOCK}")
-        return Mxfp4Problem(pow2_bucket(M), N, K, dtype)
+        return Mxfp4Problem(M, N, K, dtype)
 
     # ---- configuration --------------------------------------------------------------------------
     def check_config(self, problem: Mxfp4Problem, config: Config, target: Target) -> str | None:
