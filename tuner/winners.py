@@ -3,8 +3,12 @@
 The rule, so that two sweeps on one machine record the same configuration:
 1. The fastest few distinct configurations of the study and the baseline are checked again and
    timed in interleaved rounds (`evaluate.retime`).
-2. The noise band is the largest relative spread of the per-round medians of any of them (the
-   spread between runs of the same kernel), clamped to [NOISE_FLOOR, NOISE_CAP].
+2. The noise band is the largest relative spread, over the rounds, of any one's round median
+   divided by the round's common level (the geometric mean of all their medians in that round),
+   clamped to [NOISE_FLOOR, NOISE_CAP]: the spread between runs of the same kernel, less the
+   drift that slows a whole round. Rounds are interleaved, so such drift hits every launch of a
+   round alike; left in, one slow round widened the band to the cap and tied kernels 12% apart
+   (measured on the H200, `benchmarks/NOTES.md`).
 3. Every tile configuration within the band of the fastest one ties; of those, the one whose
    canonical JSON sorts first wins.
 4. The winner is chosen over the baseline only when it is faster beyond the band; otherwise the
@@ -27,6 +31,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,8 +67,15 @@ class Decision:
 
 
 def noise_band(measurements: list[Measurement]) -> float:
-    spreads = [(max(m.round_medians) - min(m.round_medians)) / m.stats.median_us
-               for m in measurements if m.ok and m.stats and len(m.round_medians) > 1]
+    """Rule 2: the relative spread of each launch's round medians against the rounds' common
+    level (with one launch, the spread of its own medians)."""
+    timed = [m.round_medians for m in measurements
+             if m.ok and m.stats and len(m.round_medians) > 1]
+    rounds = min(map(len, timed), default=0)
+    if len(timed) > 1:
+        level = [math.exp(statistics.fmean(math.log(t[r]) for t in timed)) for r in range(rounds)]
+        timed = [[t[r] / level[r] for r in range(rounds)] for t in timed]
+    spreads = [(max(t) - min(t)) / statistics.median(t) for t in timed]
     return min(NOISE_CAP, max([NOISE_FLOOR, *spreads]))
 
 

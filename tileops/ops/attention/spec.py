@@ -16,8 +16,8 @@ buffer as the pair (O, LSE), the shape of what it returns.
 
 The baseline returns (O, LSE) like the kernels. On CUDA it is cuDNN attention
 (`BASELINE_BACKENDS`), called as `aten._scaled_dot_product_cudnn_attention` with the lse computed
-in the same pass (KV heads repeated for GQA); for causal calls with seqlen_q != seqlen_kv, whose
-bottom-right mask torch's cuDNN call cannot align, it is the memory-efficient kernel
+in the same pass (KV heads repeated for GQA); for causal calls with seqlen_q < seqlen_kv (chunked
+prefill), whose bottom-right mask torch's cuDNN call cannot align, it is the memory-efficient kernel
 (`aten._efficient_attention_forward`, bottom-right mask and lse in one pass). Elsewhere it is
 `torch.nn.functional.scaled_dot_product_attention` on the (batch, heads, seq, dim) transposes
 with `enable_gqa` and a lower-right causal mask, plus a second pass for the lse that SDPA does not
@@ -26,7 +26,6 @@ return.
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any, NamedTuple
 
@@ -273,20 +272,18 @@ class AttentionSpec(OpSpec):
             out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
                 qt, kt, vt, None, True, 0.0, causal, False)[:2]
             return out.transpose(1, 2), lse.reshape(q.shape[0], q.shape[2], Sq)
-        if q.is_cuda and lower_right:
-            # cuDNN through torch aligns the mask top-left only; the memory-efficient kernel
-            # masks bottom-right (custom_mask_type 2) and returns the lse in the same pass.
+        if q.is_cuda and lower_right and Sq < Skv:
+            # Chunked prefill. cuDNN through torch aligns the mask top-left only; the
+            # memory-efficient kernel masks bottom-right (custom_mask_type 2) and returns the lse
+            # in the same pass. (With Sq > Skv its rows past the first Sq - Skv do not follow
+            # that alignment: measured on the H200, so those calls keep the masked SDPA below.)
             group = q.shape[2] // k.shape[2]
             if group > 1:
                 kt, vt = repeated.get(kt, vt, group)
             out, lse = torch.ops.aten._efficient_attention_forward(
                 q, kt.transpose(1, 2), vt.transpose(1, 2), None, None, None, None, None, 0.0, 2,
                 True)[:2]
-            lse = lse[:, :, :Sq]
-            if Sq > Skv:  # queries i < Sq - Skv see no key: zeros and -inf, as ours
-                out[:, :Sq - Skv] = 0
-                lse[:, :, :Sq - Skv] = -math.inf
-            return out, lse
+            return out, lse[:, :, :Sq]
         mask = None
         if lower_right:
             from torch.nn.attention.bias import causal_lower_right
