@@ -47,6 +47,15 @@ def test_attention_warp_specialised_overlap_lowers_on_sm90a(causal, head_dim, th
     assert ATTENTION.check_config(problem, config, A100).startswith("overlap 2")
 
 
+def test_warp_specialised_overlap_allows_fa3_tiles_of_its_240_register_consumers():
+    # FA3's 128 x 176 tile at head_dim 128: 196 accumulator registers per consumer thread
+    problem = ATTENTION.Problem(8, 4096, 4096, 32, 8, 128, False, "bfloat16")
+    config = {"block_M": 128, "block_N": 176, "num_stages": 1, "threads": 256, "pingpong": 0}
+    assert ATTENTION.check_config(problem, {**config, "overlap": 2}, H200) is None
+    assert "196 accumulator registers" in ATTENTION.check_config(problem, {**config,
+                                                                          "overlap": 0}, H200)
+
+
 def test_attention_pingpong_hands_over_between_the_two_consumer_warpgroups():
     problem = ATTENTION.Problem(2, 1024, 1024, 32, 8, 128, False, "bfloat16")
     config = {**ATTENTION.default_config(problem, H200), "pingpong": 1}
