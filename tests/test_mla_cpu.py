@@ -6,7 +6,9 @@ and the configuration, so every batch and length below with the same three share
 
 from __future__ import annotations
 
+import importlib.util
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -434,3 +436,23 @@ def test_serving_args_carry_the_steps_metadata():
     assert torch.equal(dispatch.DISPATCHER(MLA_DECODE, *args)[0], tileops.mla_decode(*inputs)[0])
     gemm_inputs = (torch.randn(2, 3), torch.randn(3, 4))
     assert tileops.get_spec("gemm").serving_args(gemm_inputs) is gemm_inputs
+
+
+def test_offsuite_ragged_case_counts_the_real_lengths(monkeypatch):
+    """benchmarks/mla_offsuite.py: a ragged batch checked against the reference and timed beside
+    the uniform batch of its total tokens; FLOPs from the lengths drawn."""
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(bench))
+    loaded = importlib.util.spec_from_file_location("mla_offsuite", bench / "mla_offsuite.py")
+    offsuite = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(offsuite)
+    from tileops.target import resolve_device
+    from tileops.tuner.timing import Timer
+
+    target, device = resolve_device("cpu")
+    case = offsuite.ragged_case(3, 16, 5, 130, target, device, Timer(device), dtype="float32")
+    lengths = case["problem"]["lengths"]
+    assert 5 <= lengths["min"] <= lengths["max"] <= 130 and lengths["total"] == 3 * lengths["mean"]
+    assert case["rel_error"] < 1e-5 and case["vs_uniform"] > 0
+    assert case["tflops"] == pytest.approx(2 * 16 * lengths["total"] * 1088 / case["tileops_us"]
+                                           / 1e6)

@@ -292,24 +292,14 @@ class MlaDecodeSpec(OpSpec):
         `seqlen` keys per sequence: exact to within 64 keys), the first sequence the longest; each
         sequence's pages are scattered over the cache by a random permutation; table entries past
         a sequence's pages hold -1 (never read)."""
-        B, h_q, s_q = problem.batch, problem.h_q, problem.s_q
+        B, s_q = problem.batch, problem.s_q
         longest = (sizes or {}).get("seqlen", problem.seqlen)
         gen = torch.Generator(device=device).manual_seed(seed)
-        dtype = DTYPES[problem.dtype]
         lo = max(s_q, longest - PAGE + 1)
         seqlens = torch.randint(lo, longest + 1, (B,), generator=gen, device=device,
                                 dtype=torch.int32)
         seqlens[0] = longest
-        width = -(-longest // PAGE)
-        counts = (seqlens + PAGE - 1) // PAGE
-        num_blocks = int(counts.sum()) + 1
-        perm = torch.randperm(num_blocks, generator=gen, device=device).to(torch.int32)
-        table = torch.full((B, width), -1, dtype=torch.int32, device=device)
-        used = torch.arange(width, device=device) < counts[:, None]
-        table[used] = perm[:int(counts.sum())]
-        q = torch.randn((B, s_q, h_q, D_QK), generator=gen, device=device).to(dtype)
-        kv = torch.randn((num_blocks, PAGE, 1, D_QK), generator=gen, device=device).to(dtype)
-        return (q, kv, table, seqlens)
+        return paged_inputs(seqlens, problem.h_q, s_q, problem.dtype, gen)
 
     def reference(self, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         return reference(*inputs)
@@ -324,6 +314,24 @@ class MlaDecodeSpec(OpSpec):
 
     def tolerance(self, problem: MlaProblem) -> float:
         return 1e-5 if problem.dtype == "float32" else 1e-2
+
+
+def paged_inputs(seqlens: torch.Tensor, h_q: int, s_q: int, dtype: str,
+                 gen: torch.Generator) -> tuple:
+    """Random (q, kv_cache, block_table, cache_seqlens) for the given lengths (int32, on the
+    device the inputs go to): each sequence's pages scattered over the cache by a random
+    permutation, table entries past a sequence's pages -1 (never read)."""
+    device, B = seqlens.device, seqlens.shape[0]
+    width = -(-int(seqlens.max()) // PAGE)
+    counts = (seqlens + PAGE - 1) // PAGE
+    num_blocks = int(counts.sum()) + 1
+    perm = torch.randperm(num_blocks, generator=gen, device=device).to(torch.int32)
+    table = torch.full((B, width), -1, dtype=torch.int32, device=device)
+    used = torch.arange(width, device=device) < counts[:, None]
+    table[used] = perm[:int(counts.sum())]
+    q = torch.randn((B, s_q, h_q, D_QK), generator=gen, device=device).to(DTYPES[dtype])
+    kv = torch.randn((num_blocks, PAGE, 1, D_QK), generator=gen, device=device).to(DTYPES[dtype])
+    return (q, kv, table, seqlens)
 
 
 def default_splits(ctas: int, seqlen: int, block_N: int, units: int) -> int:
