@@ -60,13 +60,25 @@ def run_case(spec: OpSpec, problem: tuple, target: Target, device: torch.device,
              timer: Timer) -> dict[str, Any]:
     """Time one problem three ways and check the user call against the reference. `problem` may
     be exact (a `Suite.cases` entry): the inputs have its sizes, the call's key their bucket."""
-    inputs = spec.make_inputs(problem, device, seed=7)
+    fields = spec.problem_dict(problem)
+    case = time_inputs(spec, spec.make_inputs(problem, device, seed=7), spec.problem_label(problem),
+                       target, timer)
+    return {"problem": {k: v for k, v in fields.items() if k != "dtype"},
+            "dtype": fields.get("dtype"), **case,
+            "tflops": spec.flops(problem) / case["tileops_us"] / 1e6,
+            "gbps": spec.bytes_moved(problem) / case["tileops_us"] / 1e3}
+
+
+def time_inputs(spec: OpSpec, inputs: tuple, label: str, target: Target,
+                timer: Timer) -> dict[str, Any]:
+    """A results case's measured fields for one call's inputs: the call through dispatch checked
+    against the reference, then timed beside the tile kernel it resolved and the baseline."""
     args = spec.serving_args(inputs)  # what an engine computes once per step: not timed
     call = spec.prepare(*args)
     out = DISPATCHER(spec, *args)
     error = relative_error(out, spec.reference(inputs))
-    if not error <= spec.tolerance(problem):
-        raise AssertionError(f"{spec.problem_label(problem)}: relative error {error:.2e}")
+    if not error <= spec.tolerance(call.problem):
+        raise AssertionError(f"{label}: relative error {error:.2e}")
     choice = DISPATCHER.choice(spec, target, call.problem)
     kernel = compile_kernel(spec, call.problem, choice.config, target)
     tileops_us = timer.measure(lambda: DISPATCHER(spec, *args)).median_us
@@ -74,19 +86,20 @@ def run_case(spec: OpSpec, problem: tuple, target: Target, device: torch.device,
     baseline_us = timer.measure(lambda: spec.launch_baseline(call.args)).median_us
     beside = {name: timer.measure(run).median_us
               for name, run in spec.reported_beside(call.args).items()}
-    fields = spec.problem_dict(problem)
     return {
-        "problem": {k: v for k, v in fields.items() if k != "dtype"},
-        "dtype": fields.get("dtype"),
         "tileops_us": tileops_us, "baseline_us": baseline_us,
         "speedup": baseline_us / tileops_us,
-        "tflops": spec.flops(problem) / tileops_us / 1e6,
-        "gbps": spec.bytes_moved(problem) / tileops_us / 1e3,
         "chosen": "baseline" if DISPATCHER.runs_baseline(spec, target, call.problem) else "tile",
         "tile_us": tile_us, "source": choice.source if choice.exact else f"{choice.source}~",
         "config": choice.config, "rel_error": error,
         **({"beside_us": beside} if beside else {}),
     }
+
+
+def new_report(spec: OpSpec, target: Target) -> dict[str, Any]:
+    """An empty results file of the guide's format for `spec` on `target`."""
+    return {"op": spec.name, "device": target.device, "baseline": spec.baseline_name,
+            "versions": versions(), "cases": []}
 
 
 def precompile(spec: OpSpec, problems: list[tuple], target: Target, device: torch.device,
@@ -133,8 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         problems = [p for p in problems if str(getattr(p, field)) in keep]
     target, device = resolve_device(args.device)
     out = args.out or RESULTS / device_dir(target) / f"{spec.name}.json"
-    report = {"op": spec.name, "device": target.device, "baseline": spec.baseline_name,
-              "versions": versions(), "cases": []}
+    report = new_report(spec, target)
     if args.resume and out.exists():
         report["cases"] = json.loads(out.read_text())["cases"]
     done = {json.dumps([c["problem"], c["dtype"]], sort_keys=True) for c in report["cases"]}

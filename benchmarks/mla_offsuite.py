@@ -20,14 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import RESULTS, device_dir, run_case, versions
+from harness import RESULTS, device_dir, new_report, run_case, time_inputs
 
-from tileops.dispatch import DISPATCHER, compile_kernel
+from tileops.dispatch import DISPATCHER
 from tileops.ops import get_spec
 from tileops.ops.host import DTYPE_SIZES
 from tileops.ops.mla.spec import D_LATENT, D_QK, paged_inputs
 from tileops.target import Target, resolve_device
-from tileops.tuner.evaluate import relative_error
 from tileops.tuner.timing import Timer
 
 UNIFORM = ["B64xS4096xH128xQ2", "B64xS8192xH16xQ2", "B64xS4096xH32", "B64xS4096xH64",
@@ -44,17 +43,8 @@ def ragged_case(batch: int, h_q: int, shortest: int, longest: int, target: Targe
     gen = torch.Generator(device=device).manual_seed(seed)
     lengths = torch.randint(shortest, longest + 1, (batch,), generator=gen, device=device,
                             dtype=torch.int32)
-    inputs = paged_inputs(lengths, h_q, 1, dtype, gen)
-    args = spec.serving_args(inputs)  # the step's metadata, made once per step: not timed
-    error = relative_error(DISPATCHER(spec, *args), spec.reference(inputs))
-    if not error <= 1e-2:
-        raise AssertionError(f"ragged B{batch} h_q {h_q}: relative error {error:.2e}")
-    call = spec.prepare(*args)
-    choice = DISPATCHER.choice(spec, target, call.problem)
-    kernel = compile_kernel(spec, call.problem, choice.config, target)
-    tileops_us = timer.measure(lambda: DISPATCHER(spec, *args)).median_us
-    tile_us = timer.measure(lambda: spec.launch(kernel, call.args)).median_us
-    baseline_us = timer.measure(lambda: spec.launch_baseline(call.args)).median_us
+    case = time_inputs(spec, paged_inputs(lengths, h_q, 1, dtype, gen),
+                       f"ragged B{batch} h_q {h_q}", target, timer)
     total = int(lengths.sum())
     mean = torch.full((batch,), round(total / batch), dtype=torch.int32, device=device)
     uniform = spec.serving_args(paged_inputs(mean, h_q, 1, dtype, gen))
@@ -65,12 +55,9 @@ def ragged_case(batch: int, h_q: int, shortest: int, longest: int, target: Targe
         "problem": {"batch": batch, "h_q": h_q, "s_q": 1, "ragged": True,
                     "lengths": {"min": int(lengths.min()), "mean": total / batch,
                                 "max": int(lengths.max()), "total": total}},
-        "dtype": dtype, "tileops_us": tileops_us, "baseline_us": baseline_us,
-        "speedup": baseline_us / tileops_us, "tflops": flops / tileops_us / 1e6,
-        "gbps": nbytes / tileops_us / 1e3, "chosen": "tile", "tile_us": tile_us,
-        "source": choice.source if choice.exact else f"{choice.source}~",
-        "config": choice.config, "rel_error": error,
-        "uniform_us": uniform_us, "vs_uniform": uniform_us / tileops_us,
+        "dtype": dtype, **case, "tflops": flops / case["tileops_us"] / 1e6,
+        "gbps": nbytes / case["tileops_us"] / 1e3,
+        "uniform_us": uniform_us, "vs_uniform": uniform_us / case["tileops_us"],
     }
 
 
@@ -84,8 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     target, device = resolve_device(args.device)
     out = args.out or RESULTS / device_dir(target) / "mla_decode_offsuite.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"op": spec.name, "device": target.device, "baseline": spec.baseline_name,
-              "versions": versions(), "cases": []}
+    report = new_report(spec, target)
     timer = Timer(device)
     for text in UNIFORM[: args.limit]:
         case = run_case(spec, spec.parse_exact(text, "bfloat16"), target, device, timer)

@@ -38,8 +38,7 @@ def env(request, op):
     spec = tileops.get_spec(op)
     target, device = tileops.target.resolve_device(request.config.getoption("--bench-device"))
     out = harness.RESULTS / harness.device_dir(target) / f"{spec.name}.json"
-    _REPORT.update(op=spec.name, device=target.device, baseline=spec.baseline_name,
-                   versions=harness.versions(), cases=[])
+    _REPORT.update(harness.new_report(spec, target))
     yield spec, target, device, Timer(device)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(_REPORT, indent=1))
