@@ -73,6 +73,8 @@ class RepeatedKV:
 
     def get(self, kt: torch.Tensor, vt: torch.Tensor, group: int
             ) -> tuple[torch.Tensor, torch.Tensor]:
+        if group == 1:
+            return kt, vt
         if self._kv is None:
             self._kv = (kt.repeat_interleave(group, 1), vt.repeat_interleave(group, 1))
         return self._kv
@@ -269,9 +271,7 @@ class AttentionSpec(OpSpec):
         lower_right = causal and Sq != Skv  # SDPA's is_causal aligns top-left; ours bottom-right
         if q.is_cuda and not lower_right and "CUDNN_ATTENTION" in BASELINE_BACKENDS:
             # cuDNN attention, called directly: the public SDPA does not return the lse.
-            group = q.shape[2] // k.shape[2]
-            if group > 1:
-                kt, vt = repeated.get(kt, vt, group)
+            kt, vt = repeated.get(kt, vt, q.shape[2] // k.shape[2])
             out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
                 qt, kt, vt, None, True, 0.0, causal, False)[:2]
             return out.transpose(1, 2), lse.reshape(q.shape[0], q.shape[2], Sq)
@@ -280,9 +280,7 @@ class AttentionSpec(OpSpec):
             # memory-efficient kernel masks bottom-right (custom_mask_type 2) and returns the lse
             # in the same pass. (With Sq > Skv its rows past the first Sq - Skv do not follow
             # that alignment: measured on the H200, so those calls keep the masked SDPA below.)
-            group = q.shape[2] // k.shape[2]
-            if group > 1:
-                kt, vt = repeated.get(kt, vt, group)
+            kt, vt = repeated.get(kt, vt, q.shape[2] // k.shape[2])
             out, lse = torch.ops.aten._efficient_attention_forward(
                 q, kt.transpose(1, 2), vt.transpose(1, 2), None, None, None, None, None, 0.0, 2,
                 True)[:2]
