@@ -47,6 +47,19 @@ def test_attention_warp_specialised_overlap_lowers_on_sm90a(causal, head_dim, th
     assert ATTENTION.check_config(problem, config, A100).startswith("overlap 2")
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_persistent_ctas_walk_the_tiles_with_running_barrier_phases(causal):
+    problem = ATTENTION.Problem(8, 4096, 4096, 32, 8, 128, causal, "bfloat16")
+    config = {"block_M": 128, "block_N": 128, "num_stages": 1, "threads": 256, "overlap": 2,
+              "pingpong": 0, "persistent": 1}
+    assert ATTENTION.check_config(problem, config, H200) is None
+    src = lower(ATTENTION.build(problem, config, H200), H200).kernel_source
+    assert "for (int t = 0;" in src and "% 132" in src  # one CTA per SM, striding by 132
+    if causal:  # a tile's KV block count varies: the phases count every block gone by
+        assert "k_phase" in src
+    assert "persistent" in ATTENTION.check_config(problem, {**config, "overlap": 0}, H200)
+
+
 def test_warp_specialised_overlap_allows_fa3_tiles_of_its_240_register_consumers():
     # FA3's 128 x 176 tile at head_dim 128: 196 accumulator registers per consumer thread
     problem = ATTENTION.Problem(8, 4096, 4096, 32, 8, 128, False, "bfloat16")

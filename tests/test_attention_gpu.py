@@ -52,8 +52,9 @@ def test_attention_cuda(B, Sq, Skv, Hq, Hkv, D, causal, dtype):
 
 
 SCHEDULES = pytest.mark.parametrize("schedule", [{}, {"pingpong": 1}, {"overlap": 1},
-                                                 {"overlap": 2}],
-                                     ids=["default", "pingpong", "overlap", "ws_overlap"])
+                                                 {"overlap": 2}, {"overlap": 2, "persistent": 1}],
+                                     ids=["default", "pingpong", "overlap", "ws_overlap",
+                                          "persistent"])
 
 
 def compiled(problem, schedule):

@@ -62,7 +62,8 @@ slice() {  # sets ms, space, sampler, trials, extra for OP SLICE
       # grid, in each schedule (20-25 valid points; benchmarks/NOTES.md); a kernel compiled for
       # one problem serves the others of its heads, head_dim and causal flag
       ms=""; dtype=bfloat16; space='{"block_M": [64, 128], "block_N": [64, 128],
-        "num_stages": [1, 2], "threads": [128, 256], "overlap": [0, 1, 2], "pingpong": [0]}' ;;
+        "num_stages": [1, 2], "threads": [128, 256], "overlap": [0, 1, 2], "pingpong": [0],
+        "persistent": [0, 1]}' ;;
     mla_decode:all)  # the whole space, searched by TPE until it stops improving
       ms=""; dtype=bfloat16; sampler=tpe trials=24; extra=(--patience 8) ;;
     *) usage ;;

@@ -49,6 +49,20 @@ def _visible(query, key, seqlen_q, seqlen_kv, causal: bool):
     return key < seqlen_kv
 
 
+def _buffers(block_M: int, block_N: int, head_dim: int, dtype: str):
+    """A GPU program instance's buffers: the Q, K, V and O tiles in shared memory; the scores S,
+    their low-precision copy P, the accumulator and six online-softmax rows in registers."""
+    def tile(rows):
+        return T.alloc_shared((rows, head_dim), dtype)
+
+    def row():
+        return T.alloc_fragment((block_M,), ACCUM)
+
+    return (tile(block_M), tile(block_N), tile(block_N), tile(block_M),
+            T.alloc_fragment((block_M, block_N), ACCUM), T.alloc_fragment((block_M, block_N), dtype),
+            T.alloc_fragment((block_M, head_dim), ACCUM), *(row() for _ in range(6)))
+
+
 @T.macro
 def _mask_hidden(S, q0, k0, seqlen_q, seqlen_kv, causal: bool):
     """Scores of keys a query does not see become -inf. Applied after the product, only in the
@@ -93,14 +107,15 @@ _PINGPONG_BARRIER = 8
 
 def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype: str, *,
                 block_M: int, block_N: int, num_stages: int, threads: int, overlap: int = 0,
-                pingpong: int = 0, k_pack: int = 1):
+                pingpong: int = 0, k_pack: int = 1, persistent: int = 0, units: int = 0):
     """The GPU tile program: T.gemm for Q K^T and P V (wgmma on sm_90a), pipelined KV loads.
 
     With `overlap` 0, TileLang warp-specialises it on sm_90a: a TMA producer warpgroup feeds
     `threads` of wgmma consumers through `num_stages` K/V buffers. With `overlap` 1 the loop is
     scheduled by hand (`_OVERLAP`, two stages, cp.async loads, no producer warpgroup) so that the
     softmax of one KV block sits between the products of its neighbours. `overlap` 2 is that
-    order with a TMA producer (`ws_overlap_program`, sm_90).
+    order with a TMA producer (`ws_overlap_program`, sm_90); `persistent` 1 runs it on one CTA
+    per SM (`units` of them) walking the tiles.
 
     `pingpong` 1 (sm_90, `overlap` 0, two consumer warpgroups) takes turns on the tensor cores:
     a warpgroup issues a product only after the other finished its own, and hands over as soon
@@ -109,7 +124,8 @@ def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
     """
     if overlap == 2:
         return ws_overlap_program(heads_q, heads_kv, head_dim, causal, dtype, block_M=block_M,
-                                  block_N=block_N, num_stages=num_stages, threads=threads)
+                                  block_N=block_N, num_stages=num_stages, threads=threads,
+                                  ctas=units if persistent else 0)
     batch, seqlen_q, seqlen_kv = T.dynamic("batch"), T.dynamic("seqlen_q"), T.dynamic("seqlen_kv")
     # AMD MFMA K packing (the hip space varies it) for Q K^T; P V keeps the default, since a packed
     # layout of the scores would not match the one P needs as a register operand.
@@ -126,19 +142,8 @@ def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
                         LSE: T.Tensor((batch, heads_q, seqlen_q), ACCUM)):
         with T.Kernel(T.ceildiv(seqlen_q, block_M), heads_q, batch, threads=threads) as (
                 bx, head, b):
-            Q_s = T.alloc_shared((block_M, head_dim), dtype)
-            K_s = T.alloc_shared((block_N, head_dim), dtype)
-            V_s = T.alloc_shared((block_N, head_dim), dtype)
-            O_s = T.alloc_shared((block_M, head_dim), dtype)
-            S = T.alloc_fragment((block_M, block_N), ACCUM)
-            P = T.alloc_fragment((block_M, block_N), dtype)
-            acc = T.alloc_fragment((block_M, head_dim), ACCUM)
-            m = T.alloc_fragment((block_M,), ACCUM)
-            m_prev = T.alloc_fragment((block_M,), ACCUM)
-            m_safe = T.alloc_fragment((block_M,), ACCUM)
-            alpha = T.alloc_fragment((block_M,), ACCUM)
-            l = T.alloc_fragment((block_M,), ACCUM)  # noqa: E741
-            row_sum = T.alloc_fragment((block_M,), ACCUM)
+            (Q_s, K_s, V_s, O_s, S, P, acc, m, m_prev, m_safe, alpha, l,  # noqa: E741
+             row_sum) = _buffers(block_M, block_N, head_dim, dtype)
 
             # Causal: the last query blocks see the most keys; launching them first leaves the
             # light blocks for the tail of the grid, where they fill SMs as others finish.
@@ -197,8 +202,18 @@ def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
     return flash_attention
 
 
+def _tile(tile, n_q, heads_q: int, batch, causal: bool):
+    """(query block, head, batch) of a persistent CTA's tile. Causal: the query block slowest
+    (`ws_overlap_program` counts it down, so the heaviest tiles go first); otherwise fastest, so
+    that the CTAs running at once share K and V in L2."""
+    if causal:
+        return tile // (heads_q * batch), tile % heads_q, tile // heads_q % batch
+    return tile % n_q, tile // n_q % heads_q, tile // (n_q * heads_q)
+
+
 def _ws_overlap_schedule(consumer_warps: int, Q_s, K_s, V_s, num_stages: int):
-    """`ws_overlap_program`'s roles, pipelines and the order of its named steps."""
+    """`ws_overlap_program`'s roles, pipelines and the order of its named steps: the KV loop
+    inside the loop over the CTA's tiles (one tile, unless persistent)."""
     return T.WSSchedule(
         num_warps=4 + consumer_warps,
         roles=[T.WSRole("Producer", warps_lo=0, warps_hi=1, max_nreg=24),
@@ -218,17 +233,19 @@ def _ws_overlap_schedule(consumer_warps: int, Q_s, K_s, V_s, num_stages: int):
                              "wait_pv", T.WSSync.consumer_release("v", stage=2), "rescale",
                              "cast"],
             }),
-            T.WSScope(T.WSScope.ROOT, {
+            T.WSScope("tiles", {
                 "Producer": ["bounds", T.WSSync.producer_acquire("q"), "load_q",
                              T.WSSync.producer_commit("q"), "kv"],
                 "Consumer": ["bounds", "init", T.WSSync.consumer_wait("q"), "kv",
                              T.WSSync.consumer_release("q"), "final"],
             }),
+            T.WSScope(T.WSScope.ROOT, {"Producer": ["tiles"], "Consumer": ["tiles"]}),
         ])
 
 
 def ws_overlap_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype: str, *,
-                       block_M: int, block_N: int, num_stages: int, threads: int):
+                       block_M: int, block_N: int, num_stages: int, threads: int,
+                       ctas: int = 0):
     """FlashAttention-3's order inside each consumer warpgroup, warp-specialised by hand (sm_90).
 
     A producer warp (24 registers) streams Q, K and V by TMA; `threads` of consumers (240
@@ -237,79 +254,76 @@ def ws_overlap_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool,
     block is read one iteration after its K. Each buffer goes back to the producer only after the
     wait that ends its product: TileLang's automatic warp specialisation releases a stage before
     an asynchronous wgmma's wait, so this schedule is written out (`T.WSSchedule`).
+
+    With `ctas` > 0 the kernel is persistent: that many CTAs walk the (query block, head, batch)
+    tiles, and the producer loads the next tile's Q, K and V while the consumers finish this
+    one's O (a tile's prologue and epilogue no longer idle the SM).
     """
     batch, seqlen_q, seqlen_kv = T.dynamic("batch"), T.dynamic("seqlen_q"), T.dynamic("seqlen_kv")
     group = heads_q // heads_kv
     scale = head_dim ** -0.5 * LOG2E
     q_shape = (batch, seqlen_q, heads_q, head_dim)
     kv_shape = (batch, seqlen_kv, heads_kv, head_dim)
+
     @T.prim_func
     def flash_attention(Q: T.Tensor(q_shape, dtype), K: T.Tensor(kv_shape, dtype),
                         V: T.Tensor(kv_shape, dtype), O: T.Tensor(q_shape, dtype),
                         LSE: T.Tensor((batch, heads_q, seqlen_q), ACCUM)):
-        with T.Kernel(T.ceildiv(seqlen_q, block_M), heads_q, batch, threads=threads) as (
-                bx, head, b):
-            Q_s = T.alloc_shared((block_M, head_dim), dtype)
-            K_s = T.alloc_shared((block_N, head_dim), dtype)
-            V_s = T.alloc_shared((block_N, head_dim), dtype)
-            O_s = T.alloc_shared((block_M, head_dim), dtype)
-            S = T.alloc_fragment((block_M, block_N), ACCUM)
-            P = T.alloc_fragment((block_M, block_N), dtype)
-            acc = T.alloc_fragment((block_M, head_dim), ACCUM)
-            m = T.alloc_fragment((block_M,), ACCUM)
-            m_prev = T.alloc_fragment((block_M,), ACCUM)
-            m_safe = T.alloc_fragment((block_M,), ACCUM)
-            alpha = T.alloc_fragment((block_M,), ACCUM)
-            l = T.alloc_fragment((block_M,), ACCUM)  # noqa: E741
-            row_sum = T.alloc_fragment((block_M,), ACCUM)
+        n_q = T.ceildiv(seqlen_q, block_M)
+        with T.Kernel(*((ctas,) if ctas else (n_q, heads_q, batch)), threads=threads) as ids:
+            (Q_s, K_s, V_s, O_s, S, P, acc, m, m_prev, m_safe, alpha, l,  # noqa: E741
+             row_sum) = _buffers(block_M, block_N, head_dim, dtype)
             T.annotate_ws_schedule(_ws_overlap_schedule(threads // 32, Q_s, K_s, V_s,
                                                         num_stages))
-            with T.ws_op("bounds"):
-                q0 = (T.ceildiv(seqlen_q, block_M) - 1 - bx if causal else bx) * block_M
-                kv_head = head // group
-                # Always one block at least (a query block that sees no key runs one, masked):
-                # with a loop that may be empty, the pipeliner's peeled first iteration is
-                # conditional, and ptxas then serialises every wgmma (C7515).
-                n_blocks = T.max(_kv_blocks(q0, block_M, block_N, seqlen_q, seqlen_kv, causal),
-                                 1)
-                n_full = _full_blocks(q0, block_N, seqlen_q, seqlen_kv, causal)
-            T.copy(Q[b, q0:q0 + block_M, head, :], Q_s, annotations={T.WSID: "load_q"})
-            with T.ws_op("init"):
-                T.fill(P, 0)  # the first iteration's P V (of no block) reads it
-                T.fill(acc, 0)
-                T.fill(l, 0)
-                T.fill(m, -T.infinity(ACCUM))
-            for kb in T.Pipelined(n_blocks, num_stages=num_stages,
-                                  annotations={T.WSID: "kv"}):
-                T.copy(K[b, kb * block_N:(kb + 1) * block_N, kv_head, :], K_s,
-                       annotations={T.WSID: "load_k"})
-                T.copy(V[b, kb * block_N:(kb + 1) * block_N, kv_head, :], V_s,
-                       annotations={T.WSID: "load_v"})
-                with T.ws_op("qk"):
-                    T.fill(S, 0)
-                    T.wgmma_gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                T.wgmma_gemm(P, V_s, acc, policy=T.GemmWarpPolicy.FullRow,
-                             annotations={T.WSID: "pv"})
-                with T.ws_op("wait_qk"):  # P V of kb - 1 goes on (none is in flight at kb 0)
-                    if kb == 0:
+            n_tiles = T.ceildiv(n_q * heads_q * batch - ids, ctas) if ctas else 1
+            for t in T.serial(n_tiles, annotations={T.WSID: "tiles"}):
+                with T.ws_op("bounds"):
+                    bx, head, b = _tile(ids + t * ctas, n_q, heads_q, batch, causal) if ctas else ids
+                    q0 = (n_q - 1 - bx if causal else bx) * block_M
+                    kv_head = head // group
+                    # Always one block at least (a query block that sees no key runs one, masked):
+                    # with a loop that may be empty, the pipeliner's peeled first iteration is
+                    # conditional, and ptxas then serialises every wgmma (C7515).
+                    n_blocks = T.max(
+                        _kv_blocks(q0, block_M, block_N, seqlen_q, seqlen_kv, causal), 1)
+                    n_full = _full_blocks(q0, block_N, seqlen_q, seqlen_kv, causal)
+                T.copy(Q[b, q0:q0 + block_M, head, :], Q_s, annotations={T.WSID: "load_q"})
+                with T.ws_op("init"):
+                    T.fill(P, 0)  # the first iteration's P V (of no block) reads it
+                    T.fill(acc, 0)
+                    T.fill(l, 0)
+                    T.fill(m, -T.infinity(ACCUM))
+                for kb in T.Pipelined(n_blocks, num_stages=num_stages,
+                                      annotations={T.WSID: "kv"}):
+                    T.copy(K[b, kb * block_N:(kb + 1) * block_N, kv_head, :], K_s,
+                           annotations={T.WSID: "load_k"})
+                    T.copy(V[b, kb * block_N:(kb + 1) * block_N, kv_head, :], V_s,
+                           annotations={T.WSID: "load_v"})
+                    with T.ws_op("qk"):
+                        T.fill(S, 0)
+                        T.wgmma_gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.wgmma_gemm(P, V_s, acc, policy=T.GemmWarpPolicy.FullRow,
+                                 annotations={T.WSID: "pv"})
+                    with T.ws_op("wait_qk"):  # P V of kb - 1 goes on (none is in flight at kb 0)
+                        if kb == 0:
+                            T.wait_wgmma(0)
+                        else:
+                            T.wait_wgmma(1)
+                    with T.ws_op("mask"):
+                        if kb >= n_full:
+                            _mask_hidden(S, q0, kb * block_N, seqlen_q, seqlen_kv, causal)
+                    with T.ws_op("softmax"):
+                        online_softmax(S, m, m_prev, m_safe, alpha, row_sum, l, scale)
+                    with T.ws_op("wait_pv"):
                         T.wait_wgmma(0)
-                    else:
-                        T.wait_wgmma(1)
-                with T.ws_op("mask"):
-                    if kb >= n_full:
-                        _mask_hidden(S, q0, kb * block_N, seqlen_q, seqlen_kv, causal)
-                with T.ws_op("softmax"):
-                    online_softmax(S, m, m_prev, m_safe, alpha, row_sum, l, scale)
-                with T.ws_op("wait_pv"):
-                    T.wait_wgmma(0)
-                with T.ws_op("rescale"):
-                    for i, j in T.Parallel(block_M, head_dim):
-                        acc[i, j] *= alpha[i]
-                with T.ws_op("cast"):
-                    T.copy(S, P)
-            with T.ws_op("final"):
-                T.wait_wgmma(0)  # the last P V, issued after the loop
-                _store(acc, l, m, O_s, O, LSE, b, head, q0, seqlen_q, scale)
+                    with T.ws_op("rescale"):
+                        for i, j in T.Parallel(block_M, head_dim):
+                            acc[i, j] *= alpha[i]
+                    with T.ws_op("cast"):
+                        T.copy(S, P)
+                with T.ws_op("final"):
+                    T.wait_wgmma(0)  # the last P V, issued after the loop
+                    _store(acc, l, m, O_s, O, LSE, b, head, q0, seqlen_q, scale)
 
     return flash_attention
 

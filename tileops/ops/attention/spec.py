@@ -100,6 +100,8 @@ def _check_gpu(problem: AttentionProblem, config: Config, target: Target) -> str
         return "overlap 1 schedules its own two-stage pipeline (num_stages 2 only)"
     if overlap == 2 and not target.is_hopper:
         return "overlap 2 is warp-specialised for sm_90 (TMA producer, asynchronous wgmma)"
+    if config.get("persistent") and overlap != 2:
+        return "persistent walks its tiles in the warp-specialised schedule (overlap 2 only)"
     if config.get("pingpong") and (overlap or threads != 256 or not target.is_hopper):
         return "pingpong alternates two wgmma consumer warpgroups (sm_90, overlap 0, 256 threads)"
     esize = DTYPE_SIZES[problem.dtype]
@@ -137,7 +139,8 @@ def _check_cuda(problem: AttentionProblem, config: Config, target: Target) -> st
 # The kernels of each target kind; there is no Metal kernel (`AttentionSpec.unsupported`). The
 # cpu and hip defaults are constant: configs/attention.toml holds them beside their spaces.
 BACKENDS = {"cpu": Backend(kernels.cpu_program, BitsAdapter),
-            "cuda": Backend(kernels.gpu_program, check=_check_cuda, default=_cuda_default),
+            "cuda": Backend(kernels.gpu_program, check=_check_cuda, default=_cuda_default,
+                            derived=lambda problem, config, target: {"units": target.units}),
             "hip": Backend(kernels.gpu_program, check=_check_gpu)}
 
 
