@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from tileops.tuner.session import compile_all
 from tileops.tuner.timing import Timer
 
 RESULTS = Path(__file__).resolve().parent / "results"
+ROUNDS = 3  # timing rounds of a case, its launches interleaved in each
 
 
 def device_dir(target: Target) -> str:
@@ -81,11 +83,12 @@ def time_inputs(spec: OpSpec, inputs: tuple, label: str, target: Target,
         raise AssertionError(f"{label}: relative error {error:.2e}")
     choice = DISPATCHER.choice(spec, target, call.problem)
     kernel = compile_kernel(spec, call.problem, choice.config, target)
-    tileops_us = timer.measure(lambda: DISPATCHER(spec, *args)).median_us
-    tile_us = timer.measure(lambda: spec.launch(kernel, call.args)).median_us
-    baseline_us = timer.measure(lambda: spec.launch_baseline(call.args)).median_us
-    beside = {name: timer.measure(run).median_us
-              for name, run in spec.reported_beside(call.args).items()}
+    beside = spec.reported_beside(call.args)
+    launches = [lambda: DISPATCHER(spec, *args), lambda: spec.launch(kernel, call.args),
+                lambda: spec.launch_baseline(call.args), *beside.values()]
+    timed = timer.interleaved(launches, ROUNDS)  # sample by sample: drift favours none
+    tileops_us, tile_us, baseline_us, *beside_us = (statistics.median(s) for s, _ in timed)
+    beside = dict(zip(beside, beside_us, strict=True))
     return {
         "tileops_us": tileops_us, "baseline_us": baseline_us,
         "speedup": baseline_us / tileops_us,

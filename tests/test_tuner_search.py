@@ -4,11 +4,13 @@ replacing a record."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from types import SimpleNamespace
 
 import optuna
 import pytest
+import torch
 from helpers import make_record, write_db
 from optuna.trial import TrialState
 from tuner_helpers import FakeSession
@@ -21,7 +23,7 @@ from tileops.tuner import evaluate, studies, winners
 from tileops.tuner.evaluate import Job, Measurement
 from tileops.tuner.progress import Progress
 from tileops.tuner.search import Limits, Task, search
-from tileops.tuner.timing import Stats
+from tileops.tuner.timing import Stats, Timer
 
 GEMM = get_spec("gemm")
 SPACE = {"block_M": [16, 64], "block_N": [16, 32], "block_K": [16, 32]}
@@ -173,6 +175,21 @@ def test_a_round_that_slows_every_launch_does_not_widen_the_noise_band():
     assert decision.config == config(1, 2) and decision.chosen == "baseline"
     # One launch alone keeps the spread of its own rounds.
     assert winners.noise_band([_timed([100.0, 104, 102])]) == pytest.approx(0.04 / 1.02)
+
+
+def test_interleaved_timing_alternates_launches_sample_by_sample():
+    # The harness times the call, its tile kernel and the baseline this way, and the tuner its
+    # finalists: each sample of one follows a sample of another, the order rotating, so a device
+    # whose clocks drift favours none of them.
+    calls = []
+    launches = [lambda i=i: calls.append(i) for i in range(3)]
+    timed = Timer(torch.device("cpu"), budget_s=0).interleaved(launches, rounds=2)
+    warm_up = len(calls) - 2 * 3 * 5  # 5: the host's fewest repeats, each launch each round
+    assert [i for i, _ in itertools.groupby(calls[:warm_up])] == [0, 1, 2]
+    rows = [calls[k:k + 3] for k in range(warm_up, len(calls), 3)]
+    assert all(sorted(row) == [0, 1, 2] for row in rows)
+    assert [row[0] for row in rows] == [0, 1, 2, 0, 1] + [1, 2, 0, 1, 2]  # round 2 starts later
+    assert [(len(samples), len(medians)) for samples, medians in timed] == [(10, 2)] * 3
 
 
 def test_a_retune_replaces_a_record_only_when_it_is_better_or_the_old_one_is_stale(tmp_path):

@@ -132,18 +132,11 @@ def retime(jobs: list[Job], seed: int, rounds: int) -> list[Measurement]:
     cases, _ = _cases(jobs[0], device, seed, phases)
     failures = [run.check(cases) for run in runners]
     timer = _timer(device)
-    costs = [timer.warm_up(run.launch) if f is None else 0.0
-             for run, f in zip(runners, failures, strict=True)]
-    samples: list[list[float]] = [[] for _ in jobs]
-    medians: list[list[float]] = [[] for _ in jobs]
-    for _ in range(rounds):
-        for i, run in enumerate(runners):
-            if failures[i] is None:
-                s = timer.timed(run.launch, costs[i])
-                samples[i].extend(s)
-                medians[i].append(Stats.of(s).median_us)
-    return [f if f is not None else Measurement(Stats.of(samples[i]), error=runners[i].error,
-                                                round_medians=tuple(medians[i]))
+    ok = [i for i, f in enumerate(failures) if f is None]
+    timed = dict(zip(ok, timer.interleaved([runners[i].launch for i in ok], rounds),
+                     strict=True))
+    return [f if f is not None else Measurement(Stats.of(timed[i][0]), error=runners[i].error,
+                                                round_medians=tuple(timed[i][1]))
             for i, f in enumerate(failures)]
 
 

@@ -82,17 +82,41 @@ class Timer:
     def timed(self, launch: Callable[[], Any], cost_us: float) -> list[float]:
         """Per-launch latencies (us) of a warmed-up `launch`, as many as the budget allows for a
         launch that costs `cost_us` (what `warm_up` returned)."""
-        n = int(min(self.max_repeats, max(self.min_repeats, self.budget_s * 1e6 / cost_us)))
-        return self._gpu_samples(launch, n) if self.gpu else self._host_samples(launch, n)
+        return self._samples([launch] * self._count(cost_us))
+
+    def _count(self, cost_us: float) -> int:
+        return int(min(self.max_repeats, max(self.min_repeats, self.budget_s * 1e6 / cost_us)))
+
+    def interleaved(self, launches: list[Callable[[], Any]], rounds: int
+                    ) -> list[tuple[list[float], list[float]]]:
+        """Each launch's samples pooled over `rounds` rounds, and its per-round medians. Within a
+        round the launches alternate sample by sample, the order rotating at every sample, so a
+        device whose clocks drift (falling as it heats over tens of milliseconds, or another
+        tenant) runs them all in the same state. Timed one block after another, the same kernel
+        measured up to 14% apart depending on what ran before it (`benchmarks/NOTES.md`)."""
+        counts = [self._count(self.warm_up(launch)) for launch in launches]
+        samples: list[list[float]] = [[] for _ in launches]
+        medians: list[list[float]] = [[] for _ in launches]
+        for r in range(rounds):
+            order: list[int] = []
+            for k in range(max(counts, default=0)):
+                first = (r + k) % len(launches)
+                order += [i for i in (*range(first, len(launches)), *range(first))
+                          if k < counts[i]]
+            got: list[list[float]] = [[] for _ in launches]
+            for i, us in zip(order, self._samples([launches[i] for i in order]), strict=True):
+                got[i].append(us)
+            for i, s in enumerate(got):
+                samples[i].extend(s)
+                medians[i].append(statistics.median(s))
+        return list(zip(samples, medians, strict=True))
 
     def estimate(self, launch: Callable[[], Any]) -> float:
         """Median latency (us) of a few timed launches after one untimed: within 10-20% of a
         full measurement, enough to tell a candidate twice as slow as the best."""
         launch()
         self.synchronize()
-        n = ESTIMATE_LAUNCHES
-        return statistics.median(self._gpu_samples(launch, n) if self.gpu
-                                 else self._host_samples(launch, n))
+        return statistics.median(self._samples([launch] * ESTIMATE_LAUNCHES))
 
     def warm_up(self, launch: Callable[[], Any]) -> float:
         """Run untimed launches; their mean latency (us) estimates what one timed launch costs."""
@@ -105,20 +129,24 @@ class Timer:
             n += 1
         return max((time.perf_counter() - start) * 1e6 / n, 1.0)
 
-    def _host_samples(self, launch: Callable[[], Any], n: int) -> list[float]:
+    def _samples(self, schedule: list[Callable[[], Any]]) -> list[float]:
+        """The latency (us) of each launch of `schedule`, run in its order."""
+        return self._gpu_samples(schedule) if self.gpu else self._host_samples(schedule)
+
+    def _host_samples(self, schedule: list[Callable[[], Any]]) -> list[float]:
         out = []
-        for _ in range(n):
+        for launch in schedule:
             start = time.perf_counter()
             launch()
             self.synchronize()
             out.append((time.perf_counter() - start) * 1e6)
         return out
 
-    def _gpu_samples(self, launch: Callable[[], Any], n: int) -> list[float]:
+    def _gpu_samples(self, schedule: list[Callable[[], Any]]) -> list[float]:
         flush = self._flush_buffer()
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-        for start, end in zip(starts, ends, strict=True):
+        starts = [torch.cuda.Event(enable_timing=True) for _ in schedule]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in schedule]
+        for launch, start, end in zip(schedule, starts, ends, strict=True):
             if self.flush_mode != "none":
                 flush.zero_()
             if self.flush_mode == "clean":
