@@ -69,6 +69,23 @@ def test_no_configuration_borrowed_from_another_regime(tmp_path, use_dbs):
     assert (c.source, c.exact, c.config) == ("default", False, GEMM.default_config(P, CPU_T))
 
 
+def test_a_neighbours_verdict_for_the_baseline_transfers_at_any_distance(tmp_path, use_dbs):
+    # Prefill records said cuBLAS wins; a default tile at an untuned M = 333 ran 0.2-0.8x cuBLAS.
+    # The verdict transfers beyond `nearest_within` (the baseline suits every problem); a tile
+    # configuration does not, and a tile verdict far away leaves the default to decide.
+    far = P._replace(M=P.M * 8)
+    use_dbs(write_db(tmp_path / "u.sqlite", [make_record(GEMM, CPU_T, far, CFG_USER,
+                                                         chosen="baseline")]))
+    c = choice()
+    assert (c.source, c.exact, c.use_baseline) == ("user", False, True)
+    assert c.config == GEMM.default_config(P, CPU_T)
+    # Within `nearest_within` the record lends its configuration and its verdict alike.
+    use_dbs(write_db(tmp_path / "n.sqlite", [make_record(GEMM, CPU_T, P._replace(M=32),
+                                                         CFG_USER, chosen="baseline")]))
+    c = choice()
+    assert (c.source, c.exact, c.use_baseline, c.config) == ("user", False, True, CFG_USER)
+
+
 def test_records_of_other_targets_are_never_served(tmp_path, use_dbs):
     h200 = Target("cuda", "sm_90a", "NVIDIA H200", 132)
     mi300 = Target("hip", "gfx942", "AMD Instinct MI300X", 304)

@@ -9,7 +9,11 @@ Order, in the spirit of MIOpen's system + user perf-db:
 4. the operator's default (`OpSpec.default_config`).
 
 Within the databases an exact problem match in any layer wins over the nearest tuned problem of
-the same operator and target (kind, arch, device). A database that is missing, locked, corrupt or
+the same operator and target (kind, arch, device). The nearest record lends its configuration
+only within `OpSpec.nearest_within` (a tile tuned for decode does not suit prefill), but its
+verdict that the baseline wins at any distance: calling the baseline costs at most the baseline's
+time, while a default tile off its regime ran 0.2-0.8x cuBLAS (GEMM at M = 100-5000 on the H200,
+`benchmarks/NOTES.md`). A database that is missing, locked, corrupt or
 of a newer schema is skipped with one warning, never an exception. Records made with another
 TileLang version or another version of the kernel code (`OpSpec.kernel_hash`) are stale:
 skipped, with one warning per database and operator (`tileops db verify` lists them). So are
@@ -123,12 +127,16 @@ class Resolver:
         for layer, table in tables:
             for other, entry in table.items():
                 d = spec.distance(problem, other)
-                if d is not None and d <= spec.nearest_within and (best is None or d < best[0]):
+                if d is not None and (best is None or d < best[0]):
                     best = (d, layer.label, entry)
         if best is not None:
-            _, label, (record, config) = best
-            if spec.check_config(problem, config, target) is None:
-                return Choice(config, label, exact=False, record=record)
+            d, label, (record, config) = best
+            baseline = record.chosen == "baseline"
+            if d <= spec.nearest_within and spec.check_config(problem, config, target) is None:
+                return Choice(config, label, exact=False, use_baseline=baseline, record=record)
+            if baseline:  # the baseline fits every problem: its win transfers at any distance
+                return Choice(spec.default_config(problem, target), label, exact=False,
+                              use_baseline=True, record=record)
         return Choice(spec.default_config(problem, target), "default", exact=False)
 
     def _table(self, layer: _Layer, spec: OpSpec, target: Target) -> dict[tuple, _Entry]:
