@@ -86,9 +86,9 @@ def _cuda_default(problem: AttentionProblem, target: Target, space: Space) -> Co
     if problem.head_dim <= 128:
         stages = 2 if smem_limit(target.arch) >= 192 * 1024 else 1
         return {"block_M": 128, "block_N": 128, "num_stages": stages, "threads": 256,
-                "overlap": 0, "pingpong": 0}
+                "overlap": 0, "pingpong": 0, "persistent": 0}
     return {"block_M": 128, "block_N": 64, "num_stages": 1, "threads": 256, "overlap": 0,
-            "pingpong": 0}
+            "pingpong": 0, "persistent": 0}
 
 
 def _check_gpu(problem: AttentionProblem, config: Config, target: Target) -> str | None:
