@@ -177,18 +177,25 @@ def test_a_round_that_slows_every_launch_does_not_widen_the_noise_band():
     assert winners.noise_band([_timed([100.0, 104, 102])]) == pytest.approx(0.04 / 1.02)
 
 
-def test_interleaved_timing_alternates_launches_sample_by_sample():
+@pytest.mark.parametrize("gpu", [False, True])
+def test_interleaved_timing_rotates_the_launches_and_alternates_them_on_a_gpu(gpu):
     # The harness times the call, its tile kernel and the baseline this way, and the tuner its
-    # finalists: each sample of one follows a sample of another, the order rotating, so a device
-    # whose clocks drift favours none of them.
+    # finalists. On a GPU each sample of one follows a sample of another, the order rotating, so
+    # a device whose clocks drift favours none of them; on the host each keeps a warm block.
     calls = []
     launches = [lambda i=i: calls.append(i) for i in range(3)]
-    timed = Timer(torch.device("cpu"), budget_s=0).interleaved(launches, rounds=2)
-    warm_up = len(calls) - 2 * 3 * 5  # 5: the host's fewest repeats, each launch each round
+    timer = Timer(torch.device("cpu"), budget_s=0)  # 5 samples each: the fewest repeats
+    timer.gpu = gpu
+    timer._samples = timer._host_samples  # the GPU's order, timed on the host
+    timed = timer.interleaved(launches, rounds=2)
+    warm_up = len(calls) - 2 * 3 * 5
     assert [i for i, _ in itertools.groupby(calls[:warm_up])] == [0, 1, 2]
-    rows = [calls[k:k + 3] for k in range(warm_up, len(calls), 3)]
-    assert all(sorted(row) == [0, 1, 2] for row in rows)
-    assert [row[0] for row in rows] == [0, 1, 2, 0, 1] + [1, 2, 0, 1, 2]  # round 2 starts later
+    if gpu:
+        rows = [calls[k:k + 3] for k in range(warm_up, len(calls), 3)]
+        assert all(sorted(row) == [0, 1, 2] for row in rows)
+        assert [row[0] for row in rows] == [0, 1, 2, 0, 1] + [1, 2, 0, 1, 2]
+    else:  # blocks; round 2 starts one launch later
+        assert [i for i, _ in itertools.groupby(calls[warm_up:])] == [0, 1, 2] + [1, 2, 0]
     assert [(len(samples), len(medians)) for samples, medians in timed] == [(10, 2)] * 3
 
 

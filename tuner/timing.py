@@ -89,20 +89,25 @@ class Timer:
 
     def interleaved(self, launches: list[Callable[[], Any]], rounds: int
                     ) -> list[tuple[list[float], list[float]]]:
-        """Each launch's samples pooled over `rounds` rounds, and its per-round medians. Within a
-        round the launches alternate sample by sample, the order rotating at every sample, so a
-        device whose clocks drift (falling as it heats over tens of milliseconds, or another
-        tenant) runs them all in the same state. Timed one block after another, the same kernel
-        measured up to 14% apart depending on what ran before it (`benchmarks/NOTES.md`)."""
+        """Each launch's samples pooled over `rounds` rounds, and its per-round medians; each
+        round starts one launch later.
+
+        On a GPU the launches alternate sample by sample, so a device whose clocks drift (falling
+        as it heats over tens of milliseconds, or another tenant) runs them all in the same state:
+        timed one block after another, the same kernel measured up to 14% apart depending on what
+        ran before it (`benchmarks/NOTES.md`). On the host each launch keeps its block of
+        samples: a library call whose thread pool fell asleep under another launch's sample
+        measured 3x slower."""
         counts = [self._count(self.warm_up(launch)) for launch in launches]
         samples: list[list[float]] = [[] for _ in launches]
         medians: list[list[float]] = [[] for _ in launches]
+        n = len(launches)
         for r in range(rounds):
-            order: list[int] = []
-            for k in range(max(counts, default=0)):
-                first = (r + k) % len(launches)
-                order += [i for i in (*range(first, len(launches)), *range(first))
-                          if k < counts[i]]
+            if self.gpu:
+                order = [i for k in range(max(counts, default=0))
+                         for i in (*range((r + k) % n, n), *range((r + k) % n)) if k < counts[i]]
+            else:
+                order = [i for j in range(n) for i in [(r + j) % n] * counts[(r + j) % n]]
             got: list[list[float]] = [[] for _ in launches]
             for i, us in zip(order, self._samples([launches[i] for i in order]), strict=True):
                 got[i].append(us)
