@@ -86,7 +86,7 @@ def time_inputs(spec: OpSpec, inputs: tuple, label: str, target: Target,
     beside = spec.reported_beside(call.args)
     launches = [lambda: DISPATCHER(spec, *args), lambda: spec.launch(kernel, call.args),
                 lambda: spec.launch_baseline(call.args), *beside.values()]
-    timed = timer.interleaved(launches, ROUNDS)  # sample by sample: drift favours none
+    timed = timer.interleaved(launches, ROUNDS)  # on a GPU sample by sample: no drift bias
     tileops_us, tile_us, baseline_us, *beside_us = (statistics.median(s) for s, _ in timed)
     beside = dict(zip(beside, beside_us, strict=True))
     return {
