@@ -157,10 +157,8 @@ def from_shapes(spec: OpSpec, shapes: list[str], dtypes: list[str]) -> list[tupl
 
 
 def parse(spec: OpSpec, text: str, dtype: str, where: str) -> tuple:
-    try:
-        return spec.parse_problem(text, dtype)
-    except ValueError as e:
-        raise UsageError(f"{where}: {e}") from None
+    """The key of a problem text (what `spec.parse_problem` gives)."""
+    return _case(spec, text, dtype, where)[1]
 
 
 def _case(spec: OpSpec, text: str, dtype: str, where: str) -> tuple[tuple, tuple]:

@@ -101,13 +101,15 @@ class Timer:
         counts = [self._count(self.warm_up(launch)) for launch in launches]
         samples: list[list[float]] = [[] for _ in launches]
         medians: list[list[float]] = [[] for _ in launches]
-        n = len(launches)
+        def rotated(first: int) -> list[int]:  # every launch once, starting at `first`
+            return [(first + j) % len(launches) for j in range(len(launches))]
+
         for r in range(rounds):
-            if self.gpu:
-                order = [i for k in range(max(counts, default=0))
-                         for i in (*range((r + k) % n, n), *range((r + k) % n)) if k < counts[i]]
-            else:
-                order = [i for j in range(n) for i in [(r + j) % n] * counts[(r + j) % n]]
+            if self.gpu:  # sample k of every launch, then sample k + 1, each time one later
+                order = [i for k in range(max(counts, default=0)) for i in rotated(r + k)
+                         if k < counts[i]]
+            else:  # each launch's samples in one block
+                order = [i for i in rotated(r) for _ in range(counts[i])]
             got: list[list[float]] = [[] for _ in launches]
             for i, us in zip(order, self._samples([launches[i] for i in order]), strict=True):
                 got[i].append(us)
