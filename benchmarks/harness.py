@@ -25,6 +25,7 @@ import os
 import re
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,10 +72,11 @@ def run_case(spec: OpSpec, problem: tuple, target: Target, device: torch.device,
             "gbps": spec.bytes_moved(problem) / case["tileops_us"] / 1e3}
 
 
-def time_inputs(spec: OpSpec, inputs: tuple, label: str, target: Target,
-                timer: Timer) -> dict[str, Any]:
+def time_inputs(spec: OpSpec, inputs: tuple, label: str, target: Target, timer: Timer,
+                beside: dict[str, Callable[[], Any]] | None = None) -> dict[str, Any]:
     """A results case's measured fields for one call's inputs: the call through dispatch checked
-    against the reference, then timed beside the tile kernel it resolved and the baseline."""
+    against the reference, then timed beside the tile kernel it resolved, the baseline, the
+    library paths the spec reports, and `beside` (more launches, in `beside_us` with those)."""
     args = spec.serving_args(inputs)  # what an engine computes once per step: not timed
     call = spec.prepare(*args)
     out = DISPATCHER(spec, *args)
@@ -83,7 +85,7 @@ def time_inputs(spec: OpSpec, inputs: tuple, label: str, target: Target,
         raise AssertionError(f"{label}: relative error {error:.2e}")
     choice = DISPATCHER.choice(spec, target, call.problem)
     kernel = compile_kernel(spec, call.problem, choice.config, target)
-    beside = spec.reported_beside(call.args)
+    beside = {**spec.reported_beside(call.args), **(beside or {})}
     launches = [lambda: DISPATCHER(spec, *args), lambda: spec.launch(kernel, call.args),
                 lambda: spec.launch_baseline(call.args), *beside.values()]
     timed = timer.interleaved(launches, ROUNDS)  # on a GPU sample by sample: no drift bias
