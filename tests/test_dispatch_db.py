@@ -60,19 +60,21 @@ def test_nearest_problem_of_same_target(tmp_path, use_dbs):
 
 
 def test_no_configuration_borrowed_from_another_regime(tmp_path, use_dbs):
-    # Decode tiles tuned at M = 16 must not serve a prefill GEMM: beyond `nearest_within` the
-    # default decides.
+    # Decode tiles tuned at M = 16 must not serve a prefill GEMM: beyond `nearest_within` neither
+    # the record's tile nor its verdict reaches, and the call runs the baseline (a default tile
+    # at an untuned M = 100 ran 0.70x cuBLAS beside a tile record at M = 64).
     use_dbs(write_db(tmp_path / "u.sqlite", [make_record(GEMM, CPU_T, P._replace(M=P.M * 8),
                                                          CFG_USER)]))
     assert GEMM.distance(P, P._replace(M=P.M * 8)) > GEMM.nearest_within
     c = choice()
-    assert (c.source, c.exact, c.config) == ("default", False, GEMM.default_config(P, CPU_T))
+    assert (c.source, c.exact, c.use_baseline) == ("user", False, True)
+    assert c.config == GEMM.default_config(P, CPU_T)
 
 
 def test_a_neighbours_verdict_for_the_baseline_transfers_at_any_distance(tmp_path, use_dbs):
     # Prefill records said cuBLAS wins; a default tile at an untuned M = 333 ran 0.2-0.8x cuBLAS.
-    # The verdict transfers beyond `nearest_within` (the baseline suits every problem); a tile
-    # configuration does not, and a tile verdict far away leaves the default to decide.
+    # The verdict reaches beyond `nearest_within` (the baseline suits every problem); the
+    # record's configuration does not.
     far = P._replace(M=P.M * 8)
     use_dbs(write_db(tmp_path / "u.sqlite", [make_record(GEMM, CPU_T, far, CFG_USER,
                                                          chosen="baseline")]))

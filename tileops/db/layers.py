@@ -10,15 +10,16 @@ Order, in the spirit of MIOpen's system + user perf-db:
 
 Within the databases an exact problem match in any layer wins over the nearest tuned problem of
 the same operator and target (kind, arch, device). The nearest record lends its configuration
-only within `OpSpec.nearest_within` (a tile tuned for decode does not suit prefill), but its
-verdict that the baseline wins at any distance: calling the baseline costs at most the baseline's
-time, while a default tile off its regime ran 0.2-0.8x cuBLAS (GEMM at M = 100-5000 on the H200,
-`benchmarks/NOTES.md`). A database that is missing, locked, corrupt or
-of a newer schema is skipped with one warning, never an exception. Records made with another
-TileLang version or another version of the kernel code (`OpSpec.kernel_hash`) are stale:
-skipped, with one warning per database and operator (`tileops db verify` lists them). So are
-records that do not read back as a problem and a configuration this installation can build
-(`read_record`): every value taken from a database is validated before use.
+and its verdict only within `OpSpec.nearest_within` (a tile tuned for decode does not suit
+prefill). Farther away the call runs the baseline, whatever the record chose: its tile does not
+reach, calling the baseline costs at most the baseline's time, and a default tile off every tuned
+regime ran 0.2-0.8x cuBLAS (GEMM at M = 100-5000 on the H200, `benchmarks/NOTES.md`). With no
+comparable record at all, the default tile runs (and may be tuned on first use). A database that
+is missing, locked, corrupt or of a newer schema is skipped with one warning, never an exception.
+Records made with another TileLang version or another version of the kernel code
+(`OpSpec.kernel_hash`) are stale: skipped, with one warning per database and operator (`tileops db
+verify` lists them). So are records that do not read back as a problem and a configuration this
+installation can build (`read_record`): every value taken from a database is validated before use.
 
 `TILEOPS_CONFIG` is validated like a record, and more strictly (`OpSpec.config_error` with
 `within_space`): exactly the space's parameters, integers from 1 (0 where the space has 0) up to
@@ -134,9 +135,10 @@ class Resolver:
             baseline = record.chosen == "baseline"
             if d <= spec.nearest_within and spec.check_config(problem, config, target) is None:
                 return Choice(config, label, exact=False, use_baseline=baseline, record=record)
-            if baseline:  # the baseline fits every problem: its win transfers at any distance
-                return Choice(spec.default_config(problem, target), label, exact=False,
-                              use_baseline=True, record=record)
+            # Out of the record's reach: the baseline, which fits every problem (the default
+            # tile only where the spec does not dispatch it, `Resolver.runs_baseline`).
+            return Choice(spec.default_config(problem, target), label, exact=False,
+                          use_baseline=True, record=record)
         return Choice(spec.default_config(problem, target), "default", exact=False)
 
     def _table(self, layer: _Layer, spec: OpSpec, target: Target) -> dict[tuple, _Entry]:

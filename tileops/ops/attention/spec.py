@@ -16,9 +16,14 @@ buffer as the pair (O, LSE), the shape of what it returns.
 
 The baseline returns (O, LSE) like the kernels. On CUDA it is cuDNN attention
 (`BASELINE_BACKENDS`), called as `aten._scaled_dot_product_cudnn_attention` with the lse computed
-in the same pass (KV heads repeated for GQA); for causal calls with seqlen_q < seqlen_kv (chunked
-prefill), whose bottom-right mask torch's cuDNN call cannot align, it is the memory-efficient kernel
-(`aten._efficient_attention_forward`, bottom-right mask and lse in one pass). Elsewhere it is
+in the same pass (grouped K/V heads natively: bit for bit the output of K and V repeated, in the
+same time, on the H200); for causal calls with seqlen_q < seqlen_kv (chunked prefill), whose
+bottom-right mask torch's cuDNN call cannot align, it is the memory-efficient kernel
+(`aten._efficient_attention_forward`, bottom-right mask and lse in one pass, KV heads repeated for
+GQA). A record's verdict on one of these kernels says nothing of another: problems that would run
+different baselines are not comparable (`distance`). Within one length bucket a causal call with
+fewer queries than keys runs the memory-efficient kernel where the bucket's record chose the
+baseline (its record was tuned at equal lengths). Elsewhere it is
 `torch.nn.functional.scaled_dot_product_attention` on the (batch, heads, seq, dim) transposes
 with `enable_gqa` and a lower-right causal mask, plus a second pass for the lse that SDPA does not
 return.
@@ -59,12 +64,17 @@ class AttentionProblem(NamedTuple):
     dtype: str
 
 
+def _chunked(problem: AttentionProblem) -> bool:
+    """Causal with fewer queries than keys (chunked prefill): the bottom-right mask."""
+    return problem.causal and problem.seqlen_q < problem.seqlen_kv
+
+
 class RepeatedKV:
     """K and V with their heads repeated up to the query heads, made at most once per call, for
-    the cuDNN baseline (it takes equal head counts). A benchmark times the baseline again and
-    again on one call's arguments, so it times cuDNN's attention alone: the strongest form of the
-    baseline for grouped heads; dispatch, which would pay the copy at every call, does not run it
-    for them (`dispatches_baseline`)."""
+    the memory-efficient baseline (it takes equal head counts). A benchmark times the baseline
+    again and again on one call's arguments, so it times the kernel alone: the strongest form of
+    the baseline for grouped heads; dispatch, which would pay the copy at every call, does not run
+    it for them (`dispatches_baseline`)."""
 
     __slots__ = ("_kv",)
 
@@ -261,11 +271,21 @@ class AttentionSpec(OpSpec):
         kernel(q, k, v, out[0], out[1])
         return out
 
+    def distance(self, a: AttentionProblem, b: AttentionProblem) -> float | None:
+        """None between a chunked-prefill problem (causal, fewer queries than keys) and one that
+        is not: on CUDA they run different baselines (memory-efficient, cuDNN), and the tile
+        kernel's work differs in shape (a trapezoid, not a triangle)."""
+        if _chunked(a) != _chunked(b):
+            return None
+        return super().distance(a, b)
+
     def dispatches_baseline(self, problem: AttentionProblem, target: Target) -> bool:
-        """Not for grouped heads on CUDA: cuDNN takes K and V repeated to the query heads, a copy
-        its timing makes once (`RepeatedKV`) and a call would make every time (such calls took
-        1.6-2.3x cuDNN's time at batch 32 x 1024 tokens, 32 query and 8 KV heads, on the H200)."""
-        return not (target.kind == "cuda" and problem.heads_q != problem.heads_kv)
+        """Not for chunked prefill with grouped heads on CUDA: the memory-efficient kernel takes
+        K and V repeated to the query heads, a copy its timing makes once (`RepeatedKV`) and a
+        call would make every time (such copies took cuDNN's own time again and more at batch 32
+        x 1024 tokens, 32 query and 8 KV heads, on the H200). cuDNN takes grouped heads natively."""
+        return not (target.kind == "cuda" and problem.heads_q != problem.heads_kv
+                    and _chunked(problem))
 
     def launch_baseline(self, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, v, causal, repeated = args
@@ -274,7 +294,6 @@ class AttentionSpec(OpSpec):
         lower_right = causal and Sq != Skv  # SDPA's is_causal aligns top-left; ours bottom-right
         if q.is_cuda and not lower_right and "CUDNN_ATTENTION" in BASELINE_BACKENDS:
             # cuDNN attention, called directly: the public SDPA does not return the lse.
-            kt, vt = repeated.get(kt, vt, q.shape[2] // k.shape[2])
             out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
                 qt, kt, vt, None, True, 0.0, causal, False)[:2]
             return out.transpose(1, 2), lse.reshape(q.shape[0], q.shape[2], Sq)
