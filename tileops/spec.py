@@ -132,9 +132,10 @@ class OpSpec(abc.ABC):
     bucketed: ClassVar[tuple[str, ...]] = ()
     dynamic: ClassVar[tuple[str, ...] | None] = None  # None: the `bucketed` fields
     categorical: ClassVar[tuple[str, ...]] = ()  # problem fields that must match exactly
-    # A problem with no record of its own borrows the configuration of the nearest recorded one
-    # only within this `distance` (1.0: a factor of two in one size); further away the tiles
-    # were chosen for another regime (decode tiles for a prefill, say) and the default is safer.
+    # A problem with no record of its own borrows the configuration and verdict of the nearest
+    # recorded one only within this `distance` (1.0: a factor of two in one size); further away
+    # the tiles were chosen for another regime (decode tiles for a prefill, say), and the call
+    # runs the baseline (`db.layers`).
     nearest_within: ClassVar[float] = 1.0
     baseline_name: ClassVar[str]
     # Targets with no kernel, and why: a kind ("metal") or a kind and an arch prefix ("hip:gfx11",
