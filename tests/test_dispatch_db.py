@@ -14,6 +14,7 @@ import tileops
 from tileops.db import DatabaseError, TuningDatabaseWarning, TuningDB
 from tileops.db.models import SCHEMA_VERSION
 from tileops.dispatch import DISPATCHER
+from tileops.ops.attention import ATTENTION
 from tileops.ops.gemm import GEMM
 from tileops.target import Target, target_of
 
@@ -86,6 +87,27 @@ def test_a_neighbours_verdict_for_the_baseline_transfers_at_any_distance(tmp_pat
                                                          CFG_USER, chosen="baseline")]))
     c = choice()
     assert (c.source, c.exact, c.use_baseline, c.config) == ("user", False, True, CFG_USER)
+
+
+def test_out_of_reach_a_spec_that_does_not_dispatch_its_baseline_takes_the_default(tmp_path,
+                                                                                   use_dbs):
+    # Chunked prefill with grouped heads never runs its baseline (it would repeat K/V at every
+    # call): a record out of reach leaves the default, which a first-use search may replace.
+    h200 = Target("cuda", "sm_90a", "NVIDIA H200", 132)
+    def p(text):
+        return ATTENTION.parse_problem(text, "bfloat16")
+
+    far_chunked, far_equal = p("4x128x8192x32x8x128:causal"), p("4x512x512x32x8x128:causal")
+    cfg = ATTENTION.default_config(far_equal, h200)
+    use_dbs(write_db(tmp_path / "u.sqlite", [
+        make_record(ATTENTION, h200, far_chunked, cfg, chosen="baseline"),
+        make_record(ATTENTION, h200, far_equal, cfg, chosen="baseline")]))
+    chunked = p("4x2048x8192x32x8x128:causal")
+    assert ATTENTION.distance(chunked, far_chunked) > ATTENTION.nearest_within
+    c = DISPATCHER.choice(ATTENTION, h200, chunked)
+    assert (c.source, c.use_baseline) == ("default", False)
+    c = DISPATCHER.choice(ATTENTION, h200, p("4x8192x8192x32x8x128:causal"))  # cuDNN
+    assert (c.source, c.use_baseline) == ("user", True)
 
 
 def test_records_of_other_targets_are_never_served(tmp_path, use_dbs):

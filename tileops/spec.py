@@ -166,8 +166,8 @@ class OpSpec(abc.ABC):
     def dispatches_baseline(self, problem: tuple, target: Target) -> bool:
         """Whether dispatch runs the baseline where a record says it wins. False where a call
         would pay for what the baseline's timing made once (an MXFP4 weight's dense form, the
-        repeated K/V heads of grouped attention for cuDNN): the record's best tile kernel, timed
-        beside it, serves instead."""
+        repeated K/V heads of grouped chunked-prefill attention): the record's best tile kernel,
+        timed beside it, serves instead."""
         return True
 
     def parse_problem(self, text: str, dtype: str) -> tuple:

@@ -14,7 +14,8 @@ and its verdict only within `OpSpec.nearest_within` (a tile tuned for decode doe
 prefill). Farther away the call runs the baseline, whatever the record chose: its tile does not
 reach, calling the baseline costs at most the baseline's time, and a default tile off every tuned
 regime ran 0.2-0.8x cuBLAS (GEMM at M = 100-5000 on the H200, `benchmarks/NOTES.md`). With no
-comparable record at all, the default tile runs (and may be tuned on first use). A database that
+comparable record at all, or where the spec does not dispatch its baseline
+(`OpSpec.dispatches_baseline`), the default tile runs (and may be tuned on first use). A database that
 is missing, locked, corrupt or of a newer schema is skipped with one warning, never an exception.
 Records made with another TileLang version or another version of the kernel code
 (`OpSpec.kernel_hash`) are stale: skipped, with one warning per database and operator (`tileops db
@@ -135,10 +136,10 @@ class Resolver:
             baseline = record.chosen == "baseline"
             if d <= spec.nearest_within and spec.check_config(problem, config, target) is None:
                 return Choice(config, label, exact=False, use_baseline=baseline, record=record)
-            # Out of the record's reach: the baseline, which fits every problem (the default
-            # tile only where the spec does not dispatch it, `Resolver.runs_baseline`).
-            return Choice(spec.default_config(problem, target), label, exact=False,
-                          use_baseline=True, record=record)
+            if spec.dispatches_baseline(problem, target):  # out of the record's reach
+                return Choice(spec.default_config(problem, target), label, exact=False,
+                              use_baseline=True, record=record)
+        # The default tile, which a first-use search may replace (`tileops.autotune`).
         return Choice(spec.default_config(problem, target), "default", exact=False)
 
     def _table(self, layer: _Layer, spec: OpSpec, target: Target) -> dict[tuple, _Entry]:

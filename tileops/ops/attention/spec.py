@@ -23,7 +23,8 @@ bottom-right mask torch's cuDNN call cannot align, it is the memory-efficient ke
 GQA). A record's verdict on one of these kernels says nothing of another: problems that would run
 different baselines are not comparable (`distance`). Within one length bucket a causal call with
 fewer queries than keys runs the memory-efficient kernel where the bucket's record chose the
-baseline (its record was tuned at equal lengths). Elsewhere it is
+baseline (its record was tuned at equal lengths), repeating grouped K/V heads at each call: the
+bucketed key cannot tell it from an equal-length call. Elsewhere it is
 `torch.nn.functional.scaled_dot_product_attention` on the (batch, heads, seq, dim) transposes
 with `enable_gqa` and a lower-right causal mask, plus a second pass for the lse that SDPA does not
 return.
