@@ -139,10 +139,15 @@ def assert_decoded_exactly(out: torch.Tensor, a: torch.Tensor, w_fp4: torch.Tens
     assert torch.equal(out[~nan].view(torch.int16), want[~nan].view(torch.int16))
 
 
-PACKED_CASES = [  # (M, N, K, config overrides): defaults (split-K), odd M, 64-deep steps
+PACKED_CASES = [  # (M, N, K, config overrides): defaults (split-K), odd M, 64-deep steps,
+    # CTAs sharing an SM (each thread's registers capped at its share of the file)
     (1, 4096, 4096, {}), (16, 8192, 8192, {}), (7, 6144, 4096, {"block_K": 128}),
     (64, 4096, 14336, {"block_M": 64}), (33, 2880, 2880, {"block_K": 64, "split_k": 1}),
-    (300, 1024, 1024, {"block_M": 64, "split_k": 1})]
+    (300, 1024, 1024, {"block_M": 64, "split_k": 1}),
+    (16, 8192, 8192, {"ctas_per_sm": 2, "split_k": 2}),
+    (5, 4096, 14336, {"ctas_per_sm": 3, "block_K": 128, "num_stages": 3}),
+    (32, 6144, 4096, {"ctas_per_sm": 3, "block_M": 32, "block_K": 64, "num_stages": 4}),
+    (8, 2880, 2880, {})]  # gpt-oss: 192-deep steps split by 3
 
 
 @pytest.mark.parametrize(("M", "N", "K", "overrides"), PACKED_CASES)

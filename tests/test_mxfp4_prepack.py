@@ -89,6 +89,24 @@ def test_the_decoded_weight_feeds_wgmma_from_registers():
     assert "partials" in src  # the default splits K for 4096 x 4096 (64 tiles on 132 SMs)
 
 
+def test_shared_sms_cap_registers_without_setmaxnreg():
+    """Two CTAs per SM: the launch bound caps registers, and no consumer waits on setmaxnreg for
+    registers a producer may never hold (a hang where ptxas allots fewer than the cap)."""
+    src = source(16, 4096, 4096)  # the default: two CTAs up to 32 tokens
+    assert "__launch_bounds__(256, 2)" in src and "reg_alloc" not in src
+    problem = MXFP4_GEMM_PACKED.parse_problem("16x8192x8192", "bfloat16")
+    config = {**MXFP4_GEMM_PACKED.default_config(problem, H200), "ctas_per_sm": 3}
+    assert "registers" in MXFP4_GEMM_PACKED.check_config(problem, config, H200)  # 256-deep
+
+
+def test_default_splits_k_by_any_divisor_of_its_steps():
+    """gpt-oss's K = 2880 is 15 steps of 192: split by 3, not walked in 45 steps of 64."""
+    problem = MXFP4_GEMM_PACKED.parse_problem("1x5760x2880", "bfloat16")
+    config = MXFP4_GEMM_PACKED.default_config(problem, H200)
+    assert (config["block_K"], config["split_k"]) == (192, 3)
+    assert MXFP4_GEMM_PACKED.check_config(problem, config, H200) is None
+
+
 def test_only_hopper_takes_the_prepacked_kernel():
     problem = MXFP4_GEMM_PACKED.parse_problem("16x4096x4096", "bfloat16")
     config = MXFP4_GEMM_PACKED.default_config(problem, H200)

@@ -9,8 +9,9 @@
 #   bash tuning_db/h200.sh compile OP SLICE   # optional, any machine with nvcc: fill the cache
 #
 # OP SLICE: gemm decode (M = 1, 16), gemm m64, gemm prefill (M = 256 ... 8192), mxfp4_gemm decode
-# (M = 1 ... 64), mxfp4_gemm prefill (M = 256 ... 4096), mxfp4_gemm_packed decode (M = 1 ... 64,
-# the prepacked weight), attention all (grid), mla_decode all (TPE): the whole suites. A stopped
+# (M = 1 ... 64), mxfp4_gemm prefill (M = 256 ... 4096), mxfp4_gemm_packed decode (M = 1, 16:
+# the prepacked weight), mxfp4_gemm_packed m64, attention all (grid), mla_decode all (TPE): the
+# whole suites. A stopped
 # slice resumes where it stopped (the Optuna journal beside $DB), and every run appends what it
 # cost (trials, wall seconds by part: GPU time, the machine being held throughout) to
 # $REPORTS/OP-SLICE-DTYPE.jsonl, which benchmarks/tuning_cost.py sums.
@@ -28,7 +29,7 @@ H200='{"kind": "cuda", "arch": "sm_90a", "device": "NVIDIA H200", "units": 132}'
 # (N, K) of the Llama-3-8B and -70B projections, shared by the GEMM and MXFP4 suites.
 NK="6144x4096 4096x4096 28672x4096 4096x14336 10240x8192 8192x8192 57344x8192 8192x28672"
 SLICES="gemm:decode gemm:m64 gemm:prefill mxfp4_gemm:decode mxfp4_gemm:prefill
-  mxfp4_gemm_packed:decode attention:all mla_decode:all"
+  mxfp4_gemm_packed:decode mxfp4_gemm_packed:m64 attention:all mla_decode:all"
 
 usage() { sed -n '2,20p' "$0"; exit 2; }
 
@@ -51,9 +52,13 @@ slice() {  # sets ms, space, sampler, trials, extra for OP SLICE
       ms="1 16 64"; dtype=bfloat16; space='{"block_M": [16], "block_N": [64, 128],
         "block_K": [256, 512], "num_stages": [2, 3], "threads": [128], "dequant": ["bits", "reg"],
         "swizzle": [0], "split_k": [1, 4], "swap_ab": [1], "ctas_per_sm": [1]}' ;;
-    mxfp4_gemm_packed:decode)  # the prepacked weight, decoded in the registers that feed wgmma
-      ms="1 16 64"; dtype=bfloat16; space='{"block_M": [16, 32, 64], "block_K": [256],
-        "num_stages": [4, 5], "threads": [128], "split_k": [1, 2, 4, 8]}' ;;
+    mxfp4_gemm_packed:decode)  # the prepacked weight, decoded in the registers that feed wgmma;
+      # CTAs sharing an SM (benchmarks/NOTES.md: 3 stages or 5 within 2% of 4)
+      ms="1 16"; dtype=bfloat16; space='{"block_M": [16], "block_K": [128, 256],
+        "num_stages": [4], "threads": [128], "split_k": [1, 2, 4], "ctas_per_sm": [1, 2, 3]}' ;;
+    mxfp4_gemm_packed:m64)
+      ms="64"; dtype=bfloat16; space='{"block_M": [64], "block_K": [128, 256],
+        "num_stages": [3, 4], "threads": [128], "split_k": [1, 2, 4], "ctas_per_sm": [1, 2]}' ;;
     mxfp4_gemm:prefill)  # the weight decoded once, then the GEMM loop
       ms="256 1024 4096"; dtype=bfloat16; space='{"block_M": [64, 128], "block_N": [128, 256],
         "block_K": [64], "num_stages": [3, 4], "threads": [128, 256], "dequant": ["global"],

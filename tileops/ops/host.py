@@ -75,14 +75,20 @@ def _mma_warp_layout(rows: int, cols: int, warps: int) -> bool:
                for m in range(1, warps + 1))
 
 
-def decode_split_k(N: int, K: int, block_N: int, block_K: int, units: int) -> int:
+def decode_split_k(N: int, K: int, block_N: int, block_K: int, units: int,
+                   powers_of_two: bool = True) -> int:
     """K splits for a decode GEMM: the fewest that give two CTAs per SM, each still walking >= 4
-    K steps (the weight is read once either way; more splits only add partials to sum)."""
+    K steps (the weight is read once either way; more splits only add partials to sum). Powers
+    of two, or any divisor of the K steps (45 steps of gpt-oss's K = 2880 split by 3)."""
     tiles, k_steps = -(-N // block_N), -(-K // block_K)
-    split = 1
-    while tiles * split < 2 * units and k_steps % (2 * split) == 0 and k_steps // (2 * split) >= 4:
-        split *= 2
-    return split
+    if powers_of_two:
+        split = 1
+        while (tiles * split < 2 * units and k_steps % (2 * split) == 0
+               and k_steps // (2 * split) >= 4):
+            split *= 2
+        return split
+    splits = [s for s in range(1, k_steps + 1) if k_steps % s == 0 and k_steps // s >= 4] or [1]
+    return next((s for s in splits if tiles * s >= 2 * units), splits[-1])
 
 
 # Program parameters that are scratch space, allocated by `WorkspaceAdapter` at each call.

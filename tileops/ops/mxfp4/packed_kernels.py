@@ -48,12 +48,21 @@ __device__ __forceinline__ void tileops_mxfp4_rs_decode(const int* w, const shor
 """
 
 
+def thread_regs(ctas_per_sm: int) -> int:
+    """Registers per thread when `ctas_per_sm` CTAs of two warpgroups (TMA producer, consumer)
+    share an SM's 64K: the cap `__launch_bounds__` puts on the kernel."""
+    return min(255, 65536 // (256 * ctas_per_sm) // 8 * 8)
+
+
 def packed_program(N: int, K: int, dtype: str, *, block_M: int, block_K: int, num_stages: int,
-                   threads: int, split_k: int = 1):
+                   threads: int, split_k: int = 1, ctas_per_sm: int = 1):
     """The prepacked weight's kernel (Hopper): C^T = W X^T with the weight decoded in registers
     as wgmma's A operand and never written back to shared memory. Each consumer warp owns one
     16-row atom row, so block_N = threads / 2; block_M tokens ride wgmma's N side. The weight's
-    words and scales arrive by TMA, a K step per pipeline stage; split-K as `gpu_tiles` does it."""
+    words and scales arrive by TMA, a K step per pipeline stage; split-K as `gpu_tiles` does it.
+    `ctas_per_sm` > 1 caps registers (`thread_regs`) so that CTAs share an SM: one CTA's decode
+    runs while another's wgmma and loads are in flight. No setmaxnreg then: a consumer growing
+    past its share would wait forever for registers wherever ptxas allotted the kernel fewer."""
     M = T.dynamic("m")
     block_N = threads // 32 * ATOM_ROWS
     atoms = block_K // ATOM_K
@@ -70,6 +79,9 @@ def packed_program(N: int, K: int, dtype: str, *, block_M: int, block_K: int, nu
             B_f = T.alloc_fragment((block_N, block_K), dtype)
             C_f = gpu_tiles.accumulator(block_M, block_N, 1)
             T.import_source(RS_SOURCE)
+            if ctas_per_sm > 1:
+                T.annotate_min_blocks_per_sm(ctas_per_sm)
+                T.no_set_max_nreg()
             tx = T.get_thread_binding()
             warp, lane = tx // 32, tx % 32
             T.clear(C_f)

@@ -49,12 +49,16 @@ def _cpu_default(problem: Mxfp4Problem, target: Target, space: Space) -> Config:
 
 
 def _cuda_default(problem: Mxfp4Problem, target: Target, space: Space) -> Config:
-    """One consumer warpgroup (64 weight rows), 256-deep K steps in four stages, the K splits
-    that give two CTAs per SM; the tokens ride wgmma's N side, 16 to 64 at a time."""
-    block_K = 256 if problem.K % 256 == 0 else ATOM_K
-    return {"block_M": min(max(problem.M, 16), 64), "block_K": block_K, "num_stages": 4,
-            "threads": 128,
-            "split_k": decode_split_k(problem.N, problem.K, 64, block_K, target.units or 132)}
+    """One consumer warpgroup (64 weight rows), the deepest K step up to 256 that divides K, in
+    four stages, two CTAs per SM up to 32 tokens and the K splits (any divisor of the steps)
+    that fill them; the tokens ride wgmma's N side."""
+    block_K = next(bk for bk in (256, 192, 128, ATOM_K) if problem.K % bk == 0)
+    block_M = min(max(problem.M, 16), 64)
+    ctas = 2 if block_M <= 32 else 1
+    return {"block_M": block_M, "block_K": block_K, "num_stages": 4, "threads": 128,
+            "ctas_per_sm": ctas,
+            "split_k": decode_split_k(problem.N, problem.K, 64, block_K, target.units or 132,
+                                      powers_of_two=False)}
 
 
 def _check_cuda(problem: Mxfp4Problem, config: Config, target: Target) -> str | None:
@@ -71,10 +75,15 @@ def _check_cuda(problem: Mxfp4Problem, config: Config, target: Target) -> str | 
     block_N = threads // 32 * ATOM_ROWS
     if problem.N % block_N:
         return f"{threads} threads take {block_N} weight rows, which do not divide N = {problem.N}"
-    stages = config["num_stages"]
+    stages, ctas = config["num_stages"], config.get("ctas_per_sm", 1)
     smem = stages * (bm * bk * 2 + block_N * bk // 2 + block_N * bk // BLOCK * 2) + bm * block_N * 4
-    if smem > smem_limit(target.arch):
-        return f"shared memory {smem // 1024} KiB > {smem_limit(target.arch) // 1024} KiB"
+    limit = smem_limit(target.arch)
+    if ctas * (smem + 1024) > limit + 1024:  # an SM: the block limit + 1 KiB, 1 KiB per block
+        return f"shared memory {ctas} x {smem // 1024} KiB > {limit // 1024} KiB"
+    regs = packed_kernels.thread_regs(ctas)  # fragment + accumulators + ~40 (in the SASS)
+    if bk // 4 + bm * block_N // 128 + 40 > regs:
+        return (f"{ctas} CTAs per SM leave {regs} registers per thread, too few for a "
+                f"{bk}-deep decoded fragment and {bm} tokens")
     knobs = {**config, "block_N": block_N, "swap_ab": 1}
     return check_decode_knobs(problem.M, problem.K, knobs, target.arch, min_block_M=16)
 
