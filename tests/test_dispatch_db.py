@@ -110,6 +110,27 @@ def test_out_of_reach_a_spec_that_does_not_dispatch_its_baseline_takes_the_defau
     assert (c.source, c.use_baseline) == ("user", True)
 
 
+def test_a_chunked_call_within_one_bucket_keys_as_chunked(tmp_path, use_dbs):
+    # 1000 queries against 1020 keys share the equal-length bucket 1024; the key takes the next
+    # bucket of keys so that the equal-length record's cuDNN verdict (a baseline this call could
+    # not run) is not borrowed: the call runs a tile kernel.
+    h200 = Target("cuda", "sm_90a", "NVIDIA H200", 132)
+    equal = ATTENTION.parse_problem("4x1024x1024x32x8x128:causal", "bfloat16")
+    use_dbs(write_db(tmp_path / "u.sqlite", [make_record(
+        ATTENTION, h200, equal, ATTENTION.default_config(equal, h200), chosen="baseline")]))
+    within = ATTENTION.parse_problem("4x1000x1020x32x8x128:causal", "bfloat16")
+    assert (within.seqlen_q, within.seqlen_kv) == (1024, 2048)
+    assert ATTENTION.bucket(within) == within  # a key is its own bucket
+    assert ATTENTION.distance(within, equal) is None
+    c = DISPATCHER.choice(ATTENTION, h200, within)
+    assert (c.source, c.use_baseline) == ("default", False)
+    q = torch.randn(1, 1000, 2, 64)
+    kv = torch.randn(1, 1020, 2, 64)
+    assert ATTENTION.prepare(q, kv, kv, causal=True).problem[1:3] == (1024, 2048)
+    assert ATTENTION.prepare(q, kv, kv).problem[1:3] == (1024, 1024)  # no mask: no alignment
+    assert ATTENTION.prepare(kv, q, q, causal=True).problem[1:3] == (1024, 1024)
+
+
 def test_records_of_other_targets_are_never_served(tmp_path, use_dbs):
     h200 = Target("cuda", "sm_90a", "NVIDIA H200", 132)
     mi300 = Target("hip", "gfx942", "AMD Instinct MI300X", 304)

@@ -21,10 +21,10 @@ same time, on the H200); for causal calls with seqlen_q < seqlen_kv (chunked pre
 bottom-right mask torch's cuDNN call cannot align, it is the memory-efficient kernel
 (`aten._efficient_attention_forward`, bottom-right mask and lse in one pass, KV heads repeated for
 GQA). A record's verdict on one of these kernels says nothing of another: problems that would run
-different baselines are not comparable (`distance`). Within one length bucket a causal call with
-fewer queries than keys runs the memory-efficient kernel where the bucket's record chose the
-baseline (its record was tuned at equal lengths), repeating grouped K/V heads at each call: the
-bucketed key cannot tell it from an equal-length call. Elsewhere it is
+different baselines are not comparable (`distance`). So that a key tells them apart, a causal call
+with fewer queries than keys whose lengths share a bucket (1000 against 1020) takes the next
+bucket of keys (1024 x 2048, `key_lengths`): it never borrows an equal-length record's verdict.
+Elsewhere it is
 `torch.nn.functional.scaled_dot_product_attention` on the (batch, heads, seq, dim) transposes
 with `enable_gqa` and a lower-right causal mask, plus a second pass for the lse that SDPA does not
 return.
@@ -63,6 +63,13 @@ class AttentionProblem(NamedTuple):
     head_dim: int
     causal: bool
     dtype: str
+
+
+def key_lengths(seqlen_q: int, seqlen_kv: int, causal: bool) -> tuple[int, int]:
+    """The key's length buckets: each length's `pow2_bucket`, the keys' one bucket higher for a
+    causal call with fewer queries than keys in the queries' bucket, so the key is chunked too."""
+    bq, bkv = 1 << (seqlen_q - 1).bit_length(), 1 << (seqlen_kv - 1).bit_length()
+    return (bq, 2 * bkv) if causal and seqlen_q < seqlen_kv and bq == bkv else (bq, bkv)
 
 
 def _chunked(problem: AttentionProblem) -> bool:
@@ -165,6 +172,10 @@ class AttentionSpec(OpSpec):
     dtypes = SUPPORTED
     Problem = AttentionProblem
     bucketed = ("seqlen_q", "seqlen_kv")
+
+    def bucket(self, problem: AttentionProblem) -> AttentionProblem:
+        Sq, Skv = key_lengths(problem.seqlen_q, problem.seqlen_kv, problem.causal)
+        return problem._replace(seqlen_q=Sq, seqlen_kv=Skv)
     dynamic = ("batch", "seqlen_q", "seqlen_kv")
     categorical = ("heads_q", "heads_kv", "head_dim", "causal", "dtype")
     baseline_name = "torch scaled_dot_product_attention (cuDNN on CUDA)"
@@ -196,8 +207,8 @@ class AttentionSpec(OpSpec):
         if softmax_scale is not None and softmax_scale != D ** -0.5:
             # The kernels bake in 1/sqrt(head_dim); another scale is folded into q.
             q = q * (check_scale(softmax_scale, "flash_attention") * D ** 0.5)
-        problem = AttentionProblem(B, 1 << (Sq - 1).bit_length(), 1 << (Skv - 1).bit_length(),
-                                   Hq, Hkv, D, bool(causal), DTYPE_NAMES[dtype])
+        problem = AttentionProblem(B, *key_lengths(Sq, Skv, causal), Hq, Hkv, D, bool(causal),
+                                   DTYPE_NAMES[dtype])
         return Call(q.device, problem, (q, k, v, bool(causal), RepeatedKV()))
 
     def _refuse(self, q: Any, k: Any, v: Any) -> None:
