@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ...spec import Backend, Call, Config, OpSpec, Space, check_scale, refuse_grad
+from ...spec import Backend, Call, Config, OpSpec, Space, check_scale, pow2_bucket, refuse_grad
 from ...target import Target
 from ..host import DTYPE_NAMES, DTYPE_SIZES, DTYPES, BitsAdapter, dtype_name, smem_limit
 from . import kernels
@@ -68,7 +68,7 @@ class AttentionProblem(NamedTuple):
 def key_lengths(seqlen_q: int, seqlen_kv: int, causal: bool) -> tuple[int, int]:
     """The key's length buckets: each length's `pow2_bucket`, the keys' one bucket higher for a
     causal call with fewer queries than keys in the queries' bucket, so the key is chunked too."""
-    bq, bkv = 1 << (seqlen_q - 1).bit_length(), 1 << (seqlen_kv - 1).bit_length()
+    bq, bkv = pow2_bucket(seqlen_q), pow2_bucket(seqlen_kv)
     return (bq, 2 * bkv) if causal and seqlen_q < seqlen_kv and bq == bkv else (bq, bkv)
 
 
@@ -172,10 +172,6 @@ class AttentionSpec(OpSpec):
     dtypes = SUPPORTED
     Problem = AttentionProblem
     bucketed = ("seqlen_q", "seqlen_kv")
-
-    def bucket(self, problem: AttentionProblem) -> AttentionProblem:
-        Sq, Skv = key_lengths(problem.seqlen_q, problem.seqlen_kv, problem.causal)
-        return problem._replace(seqlen_q=Sq, seqlen_kv=Skv)
     dynamic = ("batch", "seqlen_q", "seqlen_kv")
     categorical = ("heads_q", "heads_kv", "head_dim", "causal", "dtype")
     baseline_name = "torch scaled_dot_product_attention (cuDNN on CUDA)"
@@ -187,6 +183,10 @@ class AttentionSpec(OpSpec):
                                 "softmax loop"}
 
     # ---- problems -------------------------------------------------------------------------------
+    def bucket(self, problem: AttentionProblem) -> AttentionProblem:
+        Sq, Skv = key_lengths(problem.seqlen_q, problem.seqlen_kv, problem.causal)
+        return problem._replace(seqlen_q=Sq, seqlen_kv=Skv)
+
     def prepare(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                 softmax_scale: float | None = None) -> Call:
         try:
