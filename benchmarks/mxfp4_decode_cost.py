@@ -33,21 +33,14 @@ def _with_loop(body: str) -> str:
     return SHIPPED[:_LOOP] + body + SHIPPED[_BLOCK_END:]
 
 
+def _without(old: str, new: str) -> str:
+    assert old in SHIPPED, f"the shipped decode no longer holds {old!r}"
+    return SHIPPED.replace(old, new)
+
+
 VARIANTS = {
     "shipped": SHIPPED,
-    "one_hmul2": _with_loop("""#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-#pragma unroll
-      for (int p = 0; p < 4; ++p) {
-        const unsigned int x = word[k] << (4 * p);
-        unsigned int r = (x & 0x80008000u) | ((x >> 6) & 0x01C001C0u);
-        __nv_bfloat162 v = *reinterpret_cast<__nv_bfloat162*>(&r);
-        const unsigned int sp = scale[2 * (k / 2) + (p % 2)];
-        v = __hmul2(v, *reinterpret_cast<const __nv_bfloat162*>(&sp));
-        o[16 * a + 4 * k + p] = *reinterpret_cast<unsigned int*>(&v);
-      }
-    }
-"""),  # the 2^126 multiply left out
+    "one_hmul2": _without("__hmul2(__hmul2(v, two126), ", "__hmul2(v, "),  # no 2^126 multiply
     "no_alu": _with_loop("""#pragma unroll
     for (int k = 0; k < 4; ++k) {
 #pragma unroll

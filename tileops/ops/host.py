@@ -81,13 +81,8 @@ def decode_split_k(N: int, K: int, block_N: int, block_K: int, units: int,
     K steps (the weight is read once either way; more splits only add partials to sum). Powers
     of two, or any divisor of the K steps (45 steps of gpt-oss's K = 2880 split by 3)."""
     tiles, k_steps = -(-N // block_N), -(-K // block_K)
-    if powers_of_two:
-        split = 1
-        while (tiles * split < 2 * units and k_steps % (2 * split) == 0
-               and k_steps // (2 * split) >= 4):
-            split *= 2
-        return split
-    splits = [s for s in range(1, k_steps + 1) if k_steps % s == 0 and k_steps // s >= 4] or [1]
+    splits = [s for s in range(1, k_steps + 1) if k_steps % s == 0 and k_steps // s >= 4
+              and not (powers_of_two and s & (s - 1))] or [1]
     return next((s for s in splits if tiles * s >= 2 * units), splits[-1])
 
 
