@@ -11,10 +11,9 @@
 # OP SLICE: gemm decode (M = 1, 16), gemm m64, gemm prefill (M = 256 ... 8192), mxfp4_gemm decode
 # (M = 1 ... 64), mxfp4_gemm prefill (M = 256 ... 4096), mxfp4_gemm_packed decode (M = 1, 16:
 # the prepacked weight), mxfp4_gemm_packed m64, attention all (grid), mla_decode all (TPE): the
-# whole suites. A stopped
-# slice resumes where it stopped (the Optuna journal beside $DB), and every run appends what it
-# cost (trials, wall seconds by part: GPU time, the machine being held throughout) to
-# $REPORTS/OP-SLICE-DTYPE.jsonl, which benchmarks/tuning_cost.py sums.
+# whole suites. A stopped slice resumes where it stopped (the Optuna journal beside $DB), and
+# every run appends what it cost (trials, wall seconds by part: GPU time, the machine being held
+# throughout) to $REPORTS/OP-SLICE-DTYPE.jsonl, which benchmarks/tuning_cost.py sums.
 # WORKERS=N tunes on N GPUs at once (worker i on cuda:i, one study per problem shared by all);
 # JOBS sets the compile processes (default: all cores but one); DTYPE the element type of the
 # GEMM slices (default bfloat16; float16 records are separate ones).
