@@ -45,6 +45,7 @@ PROBLEMS = {
     "mxfp4_gemm": ("16x256x256", "bfloat16"),
     "mxfp4_gemm_packed": ("16x256x256", "bfloat16"),
     "attention": ("1x128x128x32x8x128:causal", "bfloat16"),
+    "attention_varlen": ("128x128x32x8x128:causal", "bfloat16"),
     "mla_decode": ("B1xS128xH16", "bfloat16"),
 }
 
@@ -55,6 +56,7 @@ MATRIX = {
     "mxfp4_gemm": (LOWERS, LOWERS,  LOWERS,  LOWERS,  LOWERS),
     "mxfp4_gemm_packed": (LOWERS, REFUSED, REFUSED, REFUSED, REFUSED),  # RS wgmma: sm_90 only
     "attention":  (LOWERS, LOWERS,  LOWERS,  REFUSED, REFUSED),
+    "attention_varlen": (LOWERS, REFUSED, REFUSED, REFUSED, REFUSED),  # TMA, async wgmma: sm_90
     "mla_decode": (LOWERS, REFUSED, REFUSED, REFUSED, REFUSED),
 }
 

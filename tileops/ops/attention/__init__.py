@@ -1,4 +1,5 @@
-"""FlashAttention forward: `tileops.flash_attention(q, k, v)`."""
+"""FlashAttention forward: `tileops.flash_attention(q, k, v)` over a dense batch, and
+`tileops.flash_attention_varlen` over packed sequences of different lengths."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 from ...dispatch import DISPATCHER
 from ...library import register
 from .spec import ATTENTION, AttentionProblem, AttentionSpec
+from .varlen import ATTENTION_VARLEN, AttentionVarlenSpec, VarlenProblem
 
 
 def _fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -44,4 +46,53 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     return (out, lse) if return_lse else out
 
 
-__all__ = ["ATTENTION", "AttentionProblem", "AttentionSpec", "flash_attention"]
+def _fake_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                 cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                 causal: bool = False, softmax_scale: float | None = None,
+                 validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    torch._check(q.dim() == 3 and k.dim() == 3, lambda: "flash_attention_varlen expects 3-D q, k, v")
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+_varlen_op = register(ATTENTION_VARLEN,
+                      "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+                      "int max_seqlen_q, int max_seqlen_k, bool causal=False, "
+                      "float? softmax_scale=None, bool validate=True) -> (Tensor, Tensor)",
+                      _fake_varlen)
+
+
+def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
+                           softmax_scale: float | None = None, return_lse: bool = False,
+                           validate: bool = True
+                           ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention over packed sequences of different lengths, as flash-attn's
+    `flash_attn_varlen_func`, through the best known kernel.
+
+    q: (tokens_q, heads_q, head_dim), sequence i at rows cu_seqlens_q[i]:cu_seqlens_q[i + 1];
+    k, v: (tokens_kv, heads_kv, head_dim) by cu_seqlens_k. The offsets are int32 tensors of
+    batch + 1 entries on q's device, starting at 0; cu_seqlens_q must end at tokens_q (every
+    output row belongs to a sequence), cu_seqlens_k at most at tokens_kv. max_seqlen_q and
+    max_seqlen_k bound the lengths (they choose the tuning record). Heads, head_dim, dtypes,
+    `causal` (bottom-right aligned in each sequence), `softmax_scale` and rows that see no key
+    are as in `flash_attention`. CUDA needs sm_90.
+
+    Returns the output like q and with `return_lse` the fp32 log-sum-exp (heads_q, tokens_q).
+
+    `validate` (the default) checks the offsets against the tensors and the max lengths, with one
+    read of them back to the host, and raises a ValueError naming the bad entry. Inside CUDA-graph
+    capture pass validate=False: the kernel clamps every offset to the tensors, so bad offsets
+    give wrong rows but read and write nothing outside them.
+    """
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+            softmax_scale, validate)
+    if torch.compiler.is_compiling():
+        out, lse = _varlen_op(*args)
+    else:
+        out, lse = DISPATCHER(ATTENTION_VARLEN, *args)
+    return (out, lse) if return_lse else out
+
+
+__all__ = ["ATTENTION", "ATTENTION_VARLEN", "AttentionProblem", "AttentionSpec",
+           "AttentionVarlenSpec", "VarlenProblem", "flash_attention", "flash_attention_varlen"]

@@ -74,17 +74,40 @@ def _mask_hidden(S, q0, k0, seqlen_q, seqlen_kv, causal: bool):
 
 
 @T.macro
-def _store(acc, l, m, O_s, O, LSE, b, head, q0, seqlen_q, scale):  # noqa: E741
-    """O = acc / l through shared memory, and the log-sum-exp. l = 0: the query saw no key (zeros,
-    LSE -inf). A NaN l (a NaN input) must give NaN, so the test is l == 0, not l > 0."""
+def _normalize(acc, l, O_s):  # noqa: E741
+    """O = acc / l into shared memory. l = 0: the query saw no key (zeros). A NaN l (a NaN input)
+    must give NaN, so the test is l == 0, not l > 0."""
     for i, j in T.Parallel(acc.shape[0], acc.shape[1]):
         acc[i, j] = T.if_then_else(l[i] == 0, 0, acc[i, j] / l[i])
     T.copy(acc, O_s)
+
+
+def _lse(l, m, scale):  # noqa: E741
+    """The natural log-sum-exp of a row from its log2 running max and sum (-inf: no key seen)."""
+    return T.if_then_else(l == 0, -T.infinity(ACCUM), (m * scale + T.log2(l)) * LN2)
+
+
+@T.macro
+def _store(acc, l, m, O_s, O, LSE, b, head, q0, seqlen_q, scale):  # noqa: E741
+    """O through shared memory, and the log-sum-exp, of a dense batch's query block."""
+    _normalize(acc, l, O_s)
     T.copy(O_s, O[b, q0:q0 + acc.shape[0], head, :])
     for i in T.Parallel(acc.shape[0]):
         if q0 + i < seqlen_q:
-            LSE[b, head, q0 + i] = T.if_then_else(
-                l[i] == 0, -T.infinity(ACCUM), (m[i] * scale + T.log2(l[i])) * LN2)
+            LSE[b, head, q0 + i] = _lse(l[i], m[i], scale)
+
+
+@T.macro
+def _store_rows(acc, l, m, O_s, O, LSE, q_row0, head, q0, seqlen_q, scale):  # noqa: E741
+    """The same for a packed batch (`ragged`): only the rows of the block's own sequence are
+    written, row by row, since the rows after them are the next sequence's."""
+    _normalize(acc, l, O_s)
+    for i, d in T.Parallel(acc.shape[0], acc.shape[1]):
+        if q0 + i < seqlen_q:
+            O[q_row0 + q0 + i, head, d] = O_s[i, d]
+    for i in T.Parallel(acc.shape[0]):
+        if q0 + i < seqlen_q:
+            LSE[head, q_row0 + q0 + i] = _lse(l[i], m[i], scale)
 
 
 # The KV loop body's 14 statements, scheduled for `overlap`: K load (0), Q K^T (1-2), the mask
@@ -243,9 +266,75 @@ def _ws_overlap_schedule(consumer_warps: int, Q_s, K_s, V_s, num_stages: int):
         ])
 
 
+def _rows(buf, b, start, stop, head):
+    """Rows start:stop of one head: of batch entry b of a (batch, seq, heads, dim) tensor, or of
+    a packed (tokens, heads, dim) one when b is None."""
+    if b is None:
+        return buf[start:stop, head, :]
+    return buf[b, start:stop, head, :]
+
+
+@T.macro
+def _ws_overlap_tile(Q, K, V, O, LSE, buffers, b, head, kv_head, q_row0, kv_row0, q0, seqlen_q,
+                     seqlen_kv, n_blocks, n_full, causal: bool, scale, num_stages: int):
+    """One query block of `ws_overlap_program`, after its "bounds": Q, the KV loop, the store.
+    q_row0 and kv_row0 are where the block's sequence starts in a packed batch (b None), 0 in a
+    dense one."""
+    (Q_s, K_s, V_s, O_s, S, P, acc, m, m_prev, m_safe, alpha, l,  # noqa: E741
+     row_sum) = buffers
+    block_M, block_N = S.shape
+    T.copy(_rows(Q, b, q_row0 + q0, q_row0 + q0 + block_M, head), Q_s,
+           annotations={T.WSID: "load_q"})
+    with T.ws_op("init"):
+        T.fill(P, 0)  # the first iteration's P V (of no block) reads it
+        T.fill(acc, 0)
+        T.fill(l, 0)
+        T.fill(m, -T.infinity(ACCUM))
+    for kb in T.Pipelined(n_blocks, num_stages=num_stages, annotations={T.WSID: "kv"}):
+        T.copy(_rows(K, b, kv_row0 + kb * block_N, kv_row0 + (kb + 1) * block_N, kv_head), K_s,
+               annotations={T.WSID: "load_k"})
+        T.copy(_rows(V, b, kv_row0 + kb * block_N, kv_row0 + (kb + 1) * block_N, kv_head), V_s,
+               annotations={T.WSID: "load_v"})
+        with T.ws_op("qk"):
+            T.fill(S, 0)
+            T.wgmma_gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        T.wgmma_gemm(P, V_s, acc, policy=T.GemmWarpPolicy.FullRow,
+                     annotations={T.WSID: "pv"})
+        with T.ws_op("wait_qk"):  # P V of kb - 1 goes on (none is in flight at kb 0)
+            if kb == 0:
+                T.wait_wgmma(0)
+            else:
+                T.wait_wgmma(1)
+        with T.ws_op("mask"):
+            if kb >= n_full:
+                _mask_hidden(S, q0, kb * block_N, seqlen_q, seqlen_kv, causal)
+        with T.ws_op("softmax"):
+            online_softmax(S, m, m_prev, m_safe, alpha, row_sum, l, scale)
+        with T.ws_op("wait_pv"):
+            T.wait_wgmma(0)
+        with T.ws_op("rescale"):
+            for i, j in T.Parallel(block_M, acc.shape[1]):
+                acc[i, j] *= alpha[i]
+        with T.ws_op("cast"):
+            T.copy(S, P)
+    with T.ws_op("final"):
+        T.wait_wgmma(0)  # the last P V, issued after the loop
+        if b is None:
+            _store_rows(acc, l, m, O_s, O, LSE, q_row0, head, q0, seqlen_q, scale)
+        else:
+            _store(acc, l, m, O_s, O, LSE, b, head, q0, seqlen_q, scale)
+
+
+def _n_blocks(q0, block_M: int, block_N: int, seqlen_q, seqlen_kv, causal: bool):
+    """The KV blocks a query block runs: always one at least (a query block that sees no key runs
+    one, masked): with a loop that may be empty, the pipeliner's peeled first iteration is
+    conditional, and ptxas then serialises every wgmma (C7515)."""
+    return T.max(_kv_blocks(q0, block_M, block_N, seqlen_q, seqlen_kv, causal), 1)
+
+
 def ws_overlap_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype: str, *,
                        block_M: int, block_N: int, num_stages: int, threads: int,
-                       ctas: int = 0):
+                       ctas: int = 0, ragged: bool = False):
     """FlashAttention-3's order inside each consumer warpgroup, warp-specialised by hand (sm_90).
 
     A producer warp (24 registers) streams Q, K and V by TMA; `threads` of consumers (240
@@ -258,7 +347,12 @@ def ws_overlap_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool,
     With `ctas` > 0 the kernel is persistent: that many CTAs walk the (query block, head, batch)
     tiles, and the producer loads the next tile's Q, K and V while the consumers finish this
     one's O (a tile's prologue and epilogue no longer idle the SM).
+
+    `ragged` is the packed batch of `flash_attention_varlen` (`ragged_program`).
     """
+    if ragged:
+        return ragged_program(heads_q, heads_kv, head_dim, causal, dtype, block_M=block_M,
+                              block_N=block_N, num_stages=num_stages, threads=threads, ctas=ctas)
     batch, seqlen_q, seqlen_kv = T.dynamic("batch"), T.dynamic("seqlen_q"), T.dynamic("seqlen_kv")
     group = heads_q // heads_kv
     scale = head_dim ** -0.5 * LOG2E
@@ -271,140 +365,202 @@ def ws_overlap_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool,
                         LSE: T.Tensor((batch, heads_q, seqlen_q), ACCUM)):
         n_q = T.ceildiv(seqlen_q, block_M)
         with T.Kernel(*((ctas,) if ctas else (n_q, heads_q, batch)), threads=threads) as ids:
-            (Q_s, K_s, V_s, O_s, S, P, acc, m, m_prev, m_safe, alpha, l,  # noqa: E741
-             row_sum) = _buffers(block_M, block_N, head_dim, dtype)
-            T.annotate_ws_schedule(_ws_overlap_schedule(threads // 32, Q_s, K_s, V_s,
-                                                        num_stages))
+            buffers = _buffers(block_M, block_N, head_dim, dtype)
+            T.annotate_ws_schedule(_ws_overlap_schedule(threads // 32, *buffers[:3], num_stages))
             n_tiles = T.ceildiv(n_q * heads_q * batch - ids, ctas) if ctas else 1
             for t in T.serial(n_tiles, annotations={T.WSID: "tiles"}):
                 with T.ws_op("bounds"):
                     bx, head, b = _tile(ids + t * ctas, n_q, heads_q, batch, causal) if ctas else ids
                     q0 = (n_q - 1 - bx if causal else bx) * block_M
                     kv_head = head // group
-                    # Always one block at least (a query block that sees no key runs one, masked):
-                    # with a loop that may be empty, the pipeliner's peeled first iteration is
-                    # conditional, and ptxas then serialises every wgmma (C7515).
-                    n_blocks = T.max(
-                        _kv_blocks(q0, block_M, block_N, seqlen_q, seqlen_kv, causal), 1)
+                    n_blocks = _n_blocks(q0, block_M, block_N, seqlen_q, seqlen_kv, causal)
                     n_full = _full_blocks(q0, block_N, seqlen_q, seqlen_kv, causal)
-                T.copy(Q[b, q0:q0 + block_M, head, :], Q_s, annotations={T.WSID: "load_q"})
-                with T.ws_op("init"):
-                    T.fill(P, 0)  # the first iteration's P V (of no block) reads it
-                    T.fill(acc, 0)
-                    T.fill(l, 0)
-                    T.fill(m, -T.infinity(ACCUM))
-                for kb in T.Pipelined(n_blocks, num_stages=num_stages,
-                                      annotations={T.WSID: "kv"}):
-                    T.copy(K[b, kb * block_N:(kb + 1) * block_N, kv_head, :], K_s,
-                           annotations={T.WSID: "load_k"})
-                    T.copy(V[b, kb * block_N:(kb + 1) * block_N, kv_head, :], V_s,
-                           annotations={T.WSID: "load_v"})
-                    with T.ws_op("qk"):
-                        T.fill(S, 0)
-                        T.wgmma_gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                    T.wgmma_gemm(P, V_s, acc, policy=T.GemmWarpPolicy.FullRow,
-                                 annotations={T.WSID: "pv"})
-                    with T.ws_op("wait_qk"):  # P V of kb - 1 goes on (none is in flight at kb 0)
-                        if kb == 0:
-                            T.wait_wgmma(0)
-                        else:
-                            T.wait_wgmma(1)
-                    with T.ws_op("mask"):
-                        if kb >= n_full:
-                            _mask_hidden(S, q0, kb * block_N, seqlen_q, seqlen_kv, causal)
-                    with T.ws_op("softmax"):
-                        online_softmax(S, m, m_prev, m_safe, alpha, row_sum, l, scale)
-                    with T.ws_op("wait_pv"):
-                        T.wait_wgmma(0)
-                    with T.ws_op("rescale"):
-                        for i, j in T.Parallel(block_M, head_dim):
-                            acc[i, j] *= alpha[i]
-                    with T.ws_op("cast"):
-                        T.copy(S, P)
-                with T.ws_op("final"):
-                    T.wait_wgmma(0)  # the last P V, issued after the loop
-                    _store(acc, l, m, O_s, O, LSE, b, head, q0, seqlen_q, scale)
+                _ws_overlap_tile(Q, K, V, O, LSE, buffers, b, head, kv_head, 0, 0, q0, seqlen_q,
+                                 seqlen_kv, n_blocks, n_full, causal, scale, num_stages)
 
     return flash_attention
 
 
+def ragged_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype: str, *,
+                   block_M: int, block_N: int, num_stages: int, threads: int, ctas: int = 0):
+    """`ws_overlap_program` over a packed batch: Q and O (tokens_q, heads_q, head_dim), K and V
+    (tokens_kv, heads_kv, head_dim), sequence i at rows cu_q[i]:cu_q[i + 1] of Q and
+    cu_kv[i]:cu_kv[i + 1] of K and V, LSE (heads_q, tokens_q), as flash-attn's varlen call has
+    them.
+
+    `tiles` lists the query blocks as (sequence, block) pairs, in the order they run; an entry
+    whose block starts past its sequence runs one masked KV block and writes nothing (the host
+    sizes the list for the most blocks the lengths could need). Each tile's heads are adjacent
+    in the grid: CTAs running at once share K and V in L2, and the heaviest blocks of every head
+    start first. Sequence bounds are clamped to the tensors, so that no offsets (non-monotone,
+    past the end) can move a load or a store outside them.
+    """
+    tokens_q, tokens_kv = T.dynamic("tokens_q"), T.dynamic("tokens_kv")
+    n_offsets, n_entries = T.dynamic("n_offsets"), T.dynamic("n_entries")
+    group = heads_q // heads_kv
+    scale = head_dim ** -0.5 * LOG2E
+    q_shape = (tokens_q, heads_q, head_dim)
+    kv_shape = (tokens_kv, heads_kv, head_dim)
+
+    @T.prim_func
+    def flash_attention_varlen(
+            Q: T.Tensor(q_shape, dtype), K: T.Tensor(kv_shape, dtype),
+            V: T.Tensor(kv_shape, dtype), CuQ: T.Tensor((n_offsets,), "int32"),
+            CuKV: T.Tensor((n_offsets,), "int32"), Tiles: T.Tensor((n_entries, 2), "int32"),
+            O: T.Tensor(q_shape, dtype), LSE: T.Tensor((heads_q, tokens_q), ACCUM)):
+        n_items = n_entries * heads_q
+        with T.Kernel(ctas if ctas else n_items, threads=threads) as ids:
+            buffers = _buffers(block_M, block_N, head_dim, dtype)
+            T.annotate_ws_schedule(_ws_overlap_schedule(threads // 32, *buffers[:3], num_stages))
+            n_tiles = T.ceildiv(n_items - ids, ctas) if ctas else 1
+            for t in T.serial(n_tiles, annotations={T.WSID: "tiles"}):
+                with T.ws_op("bounds"):
+                    item = ids + t * ctas if ctas else ids
+                    head = item % heads_q
+                    seq = Tiles[item // heads_q, 0]
+                    q0 = Tiles[item // heads_q, 1] * block_M
+                    q_row0 = T.min(CuQ[seq], tokens_q)
+                    seqlen_q = T.min(T.max(CuQ[seq + 1], q_row0), tokens_q) - q_row0
+                    kv_row0 = T.min(CuKV[seq], tokens_kv)
+                    seqlen_kv = T.min(T.max(CuKV[seq + 1], kv_row0), tokens_kv) - kv_row0
+                    kv_head = head // group
+                    n_blocks = T.if_then_else(
+                        q0 < seqlen_q,
+                        _n_blocks(q0, block_M, block_N, seqlen_q, seqlen_kv, causal), 1)
+                    n_full = _full_blocks(q0, block_N, seqlen_q, seqlen_kv, causal)
+                _ws_overlap_tile(Q, K, V, O, LSE, buffers, None, head, kv_head, q_row0, kv_row0,
+                                 q0, seqlen_q, seqlen_kv, n_blocks, n_full, causal, scale,
+                                 num_stages)
+
+    return flash_attention_varlen
+
+
+def _at(buf, b, row, head, d):
+    """One element of a dense (b, row, head, d) tensor, or of a packed one when b is None."""
+    return buf[row, head, d] if b is None else buf[b, row, head, d]
+
+
+@TC.macro
+def _cpu_tile(Q, K, V, O, LSE, b, head, kv_head, q_row0, kv_row0, q0, seqlen_q, seqlen_kv,
+              causal: bool, dtype: str, block_M: int, block_N: int):
+    """One query block of `cpu_program`; q_row0 and kv_row0 as in `_ws_overlap_tile`."""
+    D = Q.shape[-1]
+    neg_inf = -TC.infinity(ACCUM)
+    scale = D ** -0.5 * LOG2E
+    q = TC.alloc_local((block_M, D), ACCUM)
+    k = TC.alloc_local((block_N, D), ACCUM)
+    v = TC.alloc_local((block_N, D), ACCUM)
+    s = TC.alloc_local((block_M, block_N), ACCUM)
+    acc = TC.alloc_local((block_M, D), ACCUM)
+    m = TC.alloc_local((block_M,), ACCUM)
+    m_safe = TC.alloc_local((block_M,), ACCUM)
+    alpha = TC.alloc_local((block_M,), ACCUM)
+    l = TC.alloc_local((block_M,), ACCUM)  # noqa: E741
+    for i, d in TC.grid(block_M, D):
+        q[i, d] = TC.if_then_else(q0 + i < seqlen_q,
+                                  to_f32(_at(Q, b, q_row0 + q0 + i, head, d), dtype), 0.0)
+        acc[i, d] = 0.0
+    for i in TC.serial(block_M):
+        m[i] = neg_inf
+        l[i] = 0.0
+    for kb in TC.serial(_kv_blocks(q0, block_M, block_N, seqlen_q, seqlen_kv, causal)):
+        k0 = kb * block_N
+        for j, d in TC.grid(block_N, D):
+            k[j, d] = TC.if_then_else(k0 + j < seqlen_kv,
+                                      to_f32(_at(K, b, kv_row0 + k0 + j, kv_head, d), dtype), 0.0)
+            v[j, d] = TC.if_then_else(k0 + j < seqlen_kv,
+                                      to_f32(_at(V, b, kv_row0 + k0 + j, kv_head, d), dtype), 0.0)
+        for i, j in TC.grid(block_M, block_N):
+            s[i, j] = 0.0
+        for i, j, d in TC.grid(block_M, block_N, D):
+            s[i, j] += q[i, d] * k[j, d]
+        for i in TC.serial(block_M):
+            alpha[i] = m[i]  # the previous max, until it becomes the rescale factor
+            for j in TC.serial(block_N):
+                s[i, j] = TC.if_then_else(
+                    _visible(q0 + i, k0 + j, seqlen_q, seqlen_kv, causal),
+                    s[i, j] * scale, neg_inf)
+                m[i] = TC.max(m[i], s[i, j])
+            m_safe[i] = softmax_offset(m[i])
+            alpha[i] = TC.exp2(alpha[i] - m_safe[i])
+            l[i] = l[i] * alpha[i]
+            for j in TC.serial(block_N):
+                s[i, j] = TC.exp2(s[i, j] - m_safe[i])
+                l[i] += s[i, j]
+        for i, d in TC.grid(block_M, D):
+            acc[i, d] *= alpha[i]
+        for i, j, d in TC.grid(block_M, block_N, D):
+            acc[i, d] += s[i, j] * v[j, d]
+    # Element by element: the C backend's vectorised fp16 cast is broken. l == 0, not l > 0, as
+    # in the GPU program: a NaN input gives NaN, not a row of zeros.
+    for i, d in TC.grid(block_M, D):
+        if q0 + i < seqlen_q:
+            if b is None:
+                O[q_row0 + q0 + i, head, d] = from_f32(
+                    TC.if_then_else(l[i] == 0, 0.0, acc[i, d] / l[i]), dtype)
+            else:
+                O[b, q0 + i, head, d] = from_f32(
+                    TC.if_then_else(l[i] == 0, 0.0, acc[i, d] / l[i]), dtype)
+    for i in TC.serial(block_M):
+        if q0 + i < seqlen_q:
+            if b is None:
+                LSE[head, q_row0 + q0 + i] = TC.if_then_else(
+                    l[i] == 0, neg_inf, (m[i] + TC.log2(l[i])) * LN2)
+            else:
+                LSE[b, head, q0 + i] = TC.if_then_else(
+                    l[i] == 0, neg_inf, (m[i] + TC.log2(l[i])) * LN2)
+
+
 def cpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype: str, *,
-                block_M: int, block_N: int):
+                block_M: int, block_N: int, ragged: bool = False):
     """The CPU form of the same tile program, for TileLang's C target.
 
     Same blocking and online softmax as the GPU program, with fp32 local tiles, scalar loops for
-    the two products and bounds checks in place of the GPU's zero-filling copies.
+    the two products and bounds checks in place of the GPU's zero-filling copies. `ragged`: the
+    packed batch of `ragged_program`, with the same arguments.
     """
+    if ragged:
+        return _cpu_ragged_program(heads_q, heads_kv, head_dim, causal, dtype, block_M=block_M,
+                                   block_N=block_N)
     batch, seqlen_q, seqlen_kv = TC.dynamic("batch"), TC.dynamic("seqlen_q"), \
         TC.dynamic("seqlen_kv")
     group = heads_q // heads_kv
-    scale = head_dim ** -0.5 * LOG2E
     q_shape = (batch, seqlen_q, heads_q, head_dim)
     kv_shape = (batch, seqlen_kv, heads_kv, head_dim)
-    neg_inf = -TC.infinity(ACCUM)
-    D = head_dim
 
     @TC.prim_func
     def flash_attention(Q: TC.Tensor(q_shape, bits(dtype)), K: TC.Tensor(kv_shape, bits(dtype)),
                         V: TC.Tensor(kv_shape, bits(dtype)), O: TC.Tensor(q_shape, bits(dtype)),
                         LSE: TC.Tensor((batch, heads_q, seqlen_q), ACCUM)):
         with TC.Kernel(TC.ceildiv(seqlen_q, block_M), heads_q, batch) as (bx, head, b):
-            q = TC.alloc_local((block_M, D), ACCUM)
-            k = TC.alloc_local((block_N, D), ACCUM)
-            v = TC.alloc_local((block_N, D), ACCUM)
-            s = TC.alloc_local((block_M, block_N), ACCUM)
-            acc = TC.alloc_local((block_M, D), ACCUM)
-            m = TC.alloc_local((block_M,), ACCUM)
-            m_safe = TC.alloc_local((block_M,), ACCUM)
-            alpha = TC.alloc_local((block_M,), ACCUM)
-            l = TC.alloc_local((block_M,), ACCUM)  # noqa: E741
-
-            q0 = bx * block_M
-            kv_head = head // group
-            for i, d in TC.grid(block_M, D):
-                q[i, d] = TC.if_then_else(q0 + i < seqlen_q, to_f32(Q[b, q0 + i, head, d], dtype),
-                                          0.0)
-                acc[i, d] = 0.0
-            for i in TC.serial(block_M):
-                m[i] = neg_inf
-                l[i] = 0.0
-            for kb in TC.serial(_kv_blocks(q0, block_M, block_N, seqlen_q, seqlen_kv, causal)):
-                k0 = kb * block_N
-                for j, d in TC.grid(block_N, D):
-                    k[j, d] = TC.if_then_else(k0 + j < seqlen_kv,
-                                              to_f32(K[b, k0 + j, kv_head, d], dtype), 0.0)
-                    v[j, d] = TC.if_then_else(k0 + j < seqlen_kv,
-                                              to_f32(V[b, k0 + j, kv_head, d], dtype), 0.0)
-                for i, j in TC.grid(block_M, block_N):
-                    s[i, j] = 0.0
-                for i, j, d in TC.grid(block_M, block_N, D):
-                    s[i, j] += q[i, d] * k[j, d]
-                for i in TC.serial(block_M):
-                    alpha[i] = m[i]  # the previous max, until it becomes the rescale factor
-                    for j in TC.serial(block_N):
-                        s[i, j] = TC.if_then_else(
-                            _visible(q0 + i, k0 + j, seqlen_q, seqlen_kv, causal),
-                            s[i, j] * scale, neg_inf)
-                        m[i] = TC.max(m[i], s[i, j])
-                    m_safe[i] = softmax_offset(m[i])
-                    alpha[i] = TC.exp2(alpha[i] - m_safe[i])
-                    l[i] = l[i] * alpha[i]
-                    for j in TC.serial(block_N):
-                        s[i, j] = TC.exp2(s[i, j] - m_safe[i])
-                        l[i] += s[i, j]
-                for i, d in TC.grid(block_M, D):
-                    acc[i, d] *= alpha[i]
-                for i, j, d in TC.grid(block_M, block_N, D):
-                    acc[i, d] += s[i, j] * v[j, d]
-            # Element by element: the C backend's vectorised fp16 cast is broken. l == 0, not
-            # l > 0, as in the GPU program: a NaN input gives NaN, not a row of zeros.
-            for i, d in TC.grid(block_M, D):
-                if q0 + i < seqlen_q:
-                    O[b, q0 + i, head, d] = from_f32(
-                        TC.if_then_else(l[i] == 0, 0.0, acc[i, d] / l[i]), dtype)
-            for i in TC.serial(block_M):
-                if q0 + i < seqlen_q:
-                    LSE[b, head, q0 + i] = TC.if_then_else(
-                        l[i] == 0, neg_inf, (m[i] + TC.log2(l[i])) * LN2)
+            _cpu_tile(Q, K, V, O, LSE, b, head, head // group, 0, 0, bx * block_M, seqlen_q,
+                      seqlen_kv, causal, dtype, block_M, block_N)
 
     return flash_attention
+
+
+def _cpu_ragged_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype: str, *,
+                        block_M: int, block_N: int):
+    tokens_q, tokens_kv = TC.dynamic("tokens_q"), TC.dynamic("tokens_kv")
+    n_offsets, n_entries = TC.dynamic("n_offsets"), TC.dynamic("n_entries")
+    group = heads_q // heads_kv
+    q_shape = (tokens_q, heads_q, head_dim)
+    kv_shape = (tokens_kv, heads_kv, head_dim)
+
+    @TC.prim_func
+    def flash_attention_varlen(
+            Q: TC.Tensor(q_shape, bits(dtype)), K: TC.Tensor(kv_shape, bits(dtype)),
+            V: TC.Tensor(kv_shape, bits(dtype)), CuQ: TC.Tensor((n_offsets,), "int32"),
+            CuKV: TC.Tensor((n_offsets,), "int32"), Tiles: TC.Tensor((n_entries, 2), "int32"),
+            O: TC.Tensor(q_shape, bits(dtype)), LSE: TC.Tensor((heads_q, tokens_q), ACCUM)):
+        with TC.Kernel(n_entries, heads_q) as (entry, head):
+            seq = Tiles[entry, 0]
+            q_row0 = TC.min(CuQ[seq], tokens_q)
+            kv_row0 = TC.min(CuKV[seq], tokens_kv)
+            _cpu_tile(Q, K, V, O, LSE, None, head, head // group, q_row0, kv_row0,
+                      Tiles[entry, 1] * block_M,
+                      TC.min(TC.max(CuQ[seq + 1], q_row0), tokens_q) - q_row0,
+                      TC.min(TC.max(CuKV[seq + 1], kv_row0), tokens_kv) - kv_row0,
+                      causal, dtype, block_M, block_N)
+
+    return flash_attention_varlen
