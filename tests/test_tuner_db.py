@@ -253,3 +253,30 @@ def test_shipped_records_match_this_kernel_source():
             for record in tdb.records():
                 reason = stale_reason(get_spec(record.op), record)
                 assert reason is None, f"{path.name}: {record.op} {record.problem}: {reason}"
+
+
+def test_restamp_takes_exactly_the_records_whose_kernels_did_not_change(tmp_path, monkeypatch,
+                                                                         capsys):
+    """`db sources` before a refactor, `db restamp` after it: a record whose kernel is generated
+    as before takes the new kernel hash; one whose kernel changed, and one stale for another
+    reason, stay stale."""
+    path = write_db(tmp_path / "db.sqlite", [
+        rec(CPU, "64x256x256", CPU_CFG), rec(CPU, "16x256x256", {**CPU_CFG, "block_M": 4}),
+        rec(CPU, "1x256x256", CPU_CFG, tilelang_version="0.0.1")])
+    sources = tmp_path / "before.json"
+    assert run(capsys, "db", "sources", "--db", str(path), "--out", str(sources))[0] == 0
+    assert len(json.loads(sources.read_text())["sources"]) == 3
+    monkeypatch.setattr(type(GEMM), "kernel_hash", lambda self: "refactored")
+    build = type(GEMM).build  # the refactor changes the kernel of block_M 4 only
+
+    def refactored(self, problem, config, target):
+        return build(self, problem, {**config, "block_N": 16} if config["block_M"] == 4
+                     else config, target)
+
+    monkeypatch.setattr(type(GEMM), "build", refactored)
+    rc, out, _ = run(capsys, "db", "restamp", str(sources), "--db", str(path))
+    assert rc == 0
+    assert "1 record(s) restamped, 1 with changed kernels left stale, 1 stale for other" in out
+    with TuningDB(path) as tdb:
+        hashes = {json.loads(r.problem)["M"]: r.kernel_hash for r in tdb.records()}
+    assert hashes[64] == "refactored" and "refactored" not in (hashes[16], hashes[1])

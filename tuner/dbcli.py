@@ -59,6 +59,21 @@ def add_db_arguments(p: argparse.ArgumentParser) -> None:
     q = command("verify", _verify, "check schema, integrity, staleness and configurations")
     db_option(q)
     q.add_argument("--prune", action="store_true", help="delete the records with problems")
+    q = command("sources", _sources,
+                "hash each record's generated kernel code, for a later restamp",
+                "hash each record's generated kernel code as this checkout makes it (JSON on\n"
+                "stdout or in --out): run it before a refactor of kernel code, then `restamp`\n"
+                "after it")
+    db_option(q)
+    filters(q)
+    q.add_argument("--out", type=Path, help="write the JSON here")
+    q = command("restamp", _restamp,
+                "give the current kernel hash to stale records whose kernels did not change",
+                "give the current kernel hash to the records that are stale only by their\n"
+                "kernel hash and whose kernels this checkout generates exactly as the checkout\n"
+                "that wrote SOURCES (`tileops db sources`) did; the others stay stale")
+    q.add_argument("sources", type=Path, help="a `tileops db sources` file of the old code")
+    db_option(q)
     q = command("migrate", _migrate,
                 "upgrade a database of an older schema to this tileops' schema")
     q.add_argument("path", type=Path, nargs="?", help="database (default: the user database)")
@@ -114,6 +129,32 @@ def _verify(args: argparse.Namespace) -> int:
     print(f"{path}: schema version {version}, {len(issues)} issue(s) found"
           + (f", {pruned} record(s) deleted" if args.prune else ""))
     return lifecycle.INCOMPLETE if issues and not args.prune else lifecycle.OK
+
+
+def _sources(args: argparse.Namespace) -> int:
+    records = dbtools.select(_records(args), args.op, args.target, args.device)
+    text = json.dumps(dbtools.kernel_sources(records), indent=1, sort_keys=True)
+    if args.out:
+        args.out.write_text(text + "\n")
+        print(f"hashed the kernels of {len(records)} record(s) into {args.out}")
+    else:
+        print(text)
+    return lifecycle.OK
+
+
+def _restamp(args: argparse.Namespace) -> int:
+    try:
+        before = json.loads(args.sources.read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot read sources file {args.sources}: {e}") from None
+    path = _path(args)
+    with dbtools.open_db(path, write=True) as tdb:
+        if tdb.readonly:
+            raise UsageError(f"{path} is not writable; cannot restamp it")
+        report = dbtools.restamp(tdb, before)
+    print(f"{path}: {report.restamped} record(s) restamped, {report.changed} with changed "
+          f"kernels left stale, {report.other} stale for other reasons")
+    return lifecycle.OK
 
 
 def _summary(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""Tuning database maintenance: summary, show, export, merge and verify.
+"""Tuning database maintenance: summary, show, export, merge, verify, and restamping records
+across a refactor that leaves the generated kernels unchanged.
 
 Merge rule (`tileops db merge SRC --into DST`), for each record of SRC against DST's record with
 the same key (operator, problem, target kind, arch, device name):
@@ -15,6 +16,7 @@ the same key (operator, problem, target kind, arch, device name):
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import math
 import os
@@ -29,6 +31,7 @@ from tileops.db.layers import read_record, stale_reason
 from tileops.db.models import Record
 from tileops.db.storage import KEY_FIELDS, DatabaseError, TuningDB, record_dict
 from tileops.ops import SPECS
+from tileops.spec import canonical
 from tileops.target import KINDS, Target
 
 from .errors import UsageError
@@ -229,3 +232,77 @@ def record_issues(r: Record) -> list[str]:
 def _median(values: list[float | None]) -> float | None:
     known = [v for v in values if v is not None]
     return statistics.median(known) if known else None
+
+
+# ---- sources / restamp --------------------------------------------------------------------------
+# A change to a kernel module's code stales every record of its operators (`OpSpec.kernel_hash`),
+# even a refactor after which each record's kernel is generated character for character as
+# before. `kernel_sources` hashes the device code of each record's kernel as this checkout
+# generates it; made before the refactor and compared after it (`restamp`), it lets exactly the
+# records whose kernels did not change take the new hash, instead of being tuned again.
+def source_key(r: Record) -> str:
+    return json.dumps([r.op, r.problem, r.target_kind, r.arch, r.device])
+
+
+def kernel_source_hash(r: Record, memo: dict[tuple, str]) -> str | None:
+    """sha256 of the device code this checkout generates for a record's kernel (None: its
+    operator, target or configuration is not one this checkout builds). Records sharing a
+    kernel (its key and configuration) share one lowering through `memo`."""
+    spec = SPECS.get(r.op)
+    if spec is None or r.target_kind not in KINDS:
+        return None
+    target = Target(r.target_kind, r.arch, r.device, r.units)
+    if spec.unsupported_reason(target):
+        return None
+    try:
+        problem, config = read_record(spec, r, target)
+    except ValueError:
+        return None
+    key = (r.op, target.key, spec.kernel_key(problem), canonical(config))
+    if key not in memo:
+        from tileops.dispatch import lower
+
+        source = lower(spec.build(problem, config, target), target).kernel_source
+        memo[key] = hashlib.sha256(source.encode()).hexdigest()
+    return memo[key]
+
+
+def kernel_sources(records: Iterable[Record]) -> dict[str, Any]:
+    """What `restamp` compares against: each operator's kernel hash and each record's
+    generated-code hash, as this checkout makes them."""
+    records, memo = list(records), {}
+    hashes = {r.op: SPECS[r.op].kernel_hash() for r in records if r.op in SPECS}
+    return {"kernel_hash": hashes,
+            "sources": {source_key(r): h for r in records
+                        if (h := kernel_source_hash(r, memo)) is not None}}
+
+
+@dataclass
+class RestampReport:
+    restamped: int = 0
+    changed: int = 0  # stale records whose kernels this checkout generates differently
+    other: int = 0  # stale for another reason, or not in the sources file
+
+
+def restamp(db: TuningDB, before: dict[str, Any]) -> RestampReport:
+    """Give the current kernel hash to every record that is stale only by its kernel hash, was
+    made for the code `before` (a `kernel_sources` of the old checkout) was made with, and whose
+    kernel this checkout generates exactly as that code did."""
+    report, updates, memo = RestampReport(), [], {}
+    for r in db.records():
+        spec = SPECS.get(r.op)
+        reason = stale_reason(spec, r) if spec is not None else "unknown operator"
+        if reason is None:
+            continue
+        old = before.get("sources", {}).get(source_key(r))
+        if (reason != "made for another version of the kernel source" or old is None
+                or before.get("kernel_hash", {}).get(r.op) != r.kernel_hash):
+            report.other += 1
+        elif kernel_source_hash(r, memo) == old:
+            updates.append({**record_dict(r), "kernel_hash": spec.kernel_hash()})
+            report.restamped += 1
+        else:
+            report.changed += 1
+    if updates:
+        db.put_many(updates)
+    return report
