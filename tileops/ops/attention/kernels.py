@@ -334,7 +334,7 @@ def _n_blocks(q0, block_M: int, block_N: int, seqlen_q, seqlen_kv, causal: bool)
 
 def ws_overlap_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype: str, *,
                        block_M: int, block_N: int, num_stages: int, threads: int,
-                       ctas: int = 0, ragged: bool = False):
+                       ctas: int = 0):
     """FlashAttention-3's order inside each consumer warpgroup, warp-specialised by hand (sm_90).
 
     A producer warp (24 registers) streams Q, K and V by TMA; `threads` of consumers (240
@@ -346,13 +346,9 @@ def ws_overlap_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool,
 
     With `ctas` > 0 the kernel is persistent: that many CTAs walk the (query block, head, batch)
     tiles, and the producer loads the next tile's Q, K and V while the consumers finish this
-    one's O (a tile's prologue and epilogue no longer idle the SM).
-
-    `ragged` is the packed batch of `flash_attention_varlen` (`ragged_program`).
+    one's O (a tile's prologue and epilogue no longer idle the SM). `ragged_program` is the same
+    schedule over a packed batch.
     """
-    if ragged:
-        return ragged_program(heads_q, heads_kv, head_dim, causal, dtype, block_M=block_M,
-                              block_N=block_N, num_stages=num_stages, threads=threads, ctas=ctas)
     batch, seqlen_q, seqlen_kv = T.dynamic("batch"), T.dynamic("seqlen_q"), T.dynamic("seqlen_kv")
     group = heads_q // heads_kv
     scale = head_dim ** -0.5 * LOG2E
@@ -512,16 +508,12 @@ def _cpu_tile(Q, K, V, O, LSE, b, head, kv_head, q_row0, kv_row0, q0, seqlen_q, 
 
 
 def cpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype: str, *,
-                block_M: int, block_N: int, ragged: bool = False):
+                block_M: int, block_N: int):
     """The CPU form of the same tile program, for TileLang's C target.
 
     Same blocking and online softmax as the GPU program, with fp32 local tiles, scalar loops for
-    the two products and bounds checks in place of the GPU's zero-filling copies. `ragged`: the
-    packed batch of `ragged_program`, with the same arguments.
+    the two products and bounds checks in place of the GPU's zero-filling copies.
     """
-    if ragged:
-        return _cpu_ragged_program(heads_q, heads_kv, head_dim, causal, dtype, block_M=block_M,
-                                   block_N=block_N)
     batch, seqlen_q, seqlen_kv = TC.dynamic("batch"), TC.dynamic("seqlen_q"), \
         TC.dynamic("seqlen_kv")
     group = heads_q // heads_kv
@@ -539,8 +531,9 @@ def cpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
     return flash_attention
 
 
-def _cpu_ragged_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype: str, *,
-                        block_M: int, block_N: int):
+def cpu_ragged_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype: str, *,
+                       block_M: int, block_N: int):
+    """`cpu_program` over the packed batch of `ragged_program`, with the same arguments."""
     tokens_q, tokens_kv = TC.dynamic("tokens_q"), TC.dynamic("tokens_kv")
     n_offsets, n_entries = TC.dynamic("n_offsets"), TC.dynamic("n_entries")
     group = heads_q // heads_kv

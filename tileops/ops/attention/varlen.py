@@ -10,9 +10,10 @@ warp-specialised schedule (`kernels.ragged_program`).
 Problem key: (tokens_q, tokens_kv, max_seqlen_q, max_seqlen_kv, heads_q, heads_kv, head_dim,
 causal, dtype), the four sizes bucketed by `pow2_bucket` and dynamic in the compiled kernel. The
 kernel reads the offsets on the device and clamps them to the tensors, so the longest lengths
-only choose the configuration. The query blocks run in the order of a tile list made on the
-device for each call (`tile_list`): the heaviest first, so that the long sequences' blocks do
-not start last and leave the tail of the grid to them.
+only choose the configuration. The query blocks run in the order of a tile list made for each
+call, on the host from validated offsets (`host_tile_list`), else on the device (`tile_list`):
+the heaviest first, so that the long sequences' blocks do not start last and leave the tail of
+the grid to them.
 
 Command-line syntax: `TQxTKVxMQxMKVxHQxHKVxD[:causal]`, or `TxMxHQxHKVxD[:causal]` where the keys
 are the queries (self-attention prefill): T tokens in sequences of at most M, e.g.
@@ -34,7 +35,7 @@ import numpy as np
 import torch
 
 from ... import autotune
-from ...spec import Backend, Call, Config, OpSpec, Space, check_scale, pow2_bucket
+from ...spec import Backend, Call, Config, OpSpec, Space, check_scale, pow2_bucket, refuse_grad
 from ...target import Target
 from ..host import DTYPE_NAMES, DTYPE_SIZES, DTYPES, BitsAdapter, dtype_name
 from . import kernels
@@ -143,7 +144,7 @@ def _gpu_program(*key: Any, block_M: int, block_N: int, persistent: int, units: 
 
 
 def _cpu_program(*key: Any, block_M: int, block_N: int) -> Any:
-    return _tiled(kernels.cpu_program(*key, block_M=block_M, block_N=block_N, ragged=True),
+    return _tiled(kernels.cpu_ragged_program(*key, block_M=block_M, block_N=block_N),
                   block_M, block_N)
 
 
@@ -172,9 +173,11 @@ def ragged_lengths(tokens: int, longest: int, seed: int) -> list[int]:
     spread over orders of magnitude; shuffled."""
     gen = torch.Generator().manual_seed(seed)
     lengths = [min(longest, tokens)]
-    while sum(lengths) < tokens:
+    total = lengths[0]
+    while total < tokens:
         draw = math.exp(torch.rand((), generator=gen).item() * math.log(longest))
-        lengths.append(min(max(1, round(draw)), tokens - sum(lengths)))
+        lengths.append(min(max(1, round(draw)), tokens - total))
+        total += lengths[-1]
     order = torch.randperm(len(lengths), generator=gen).tolist()
     return [lengths[i] for i in order]
 
@@ -324,10 +327,7 @@ class AttentionVarlenSpec(OpSpec):
         if any(t.stride(2) != 1 for t in (q, k, v)):
             raise ValueError(f"{who}: the last dimension (head_dim) of q, k and v must be "
                              "contiguous (stride 1)")
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            from ...spec import refuse_grad
-
-            refuse_grad(who, q=q, k=k, v=v)
+        refuse_grad(who, q=q, k=k, v=v)
 
     def parse_exact(self, text: str, dtype: str) -> VarlenProblem:
         match = re.fullmatch(r"\s*(\d+(?:x\d+){4}|\d+(?:x\d+){6})(:causal)?\s*", text)
@@ -418,7 +418,7 @@ def _per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch
             continue
         o, s = _attention(q[None, a:b], k[None, c:d], v[None, c:d], causal, scale, dtype)
         out[a:b], lse[:, a:b] = o[0], s[0].float()
-    return out.to(q.dtype) if dtype is q.dtype else out, lse
+    return out, lse
 
 
 ATTENTION_VARLEN = AttentionVarlenSpec()
