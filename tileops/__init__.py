@@ -10,7 +10,7 @@ from typing import Any
 from .autotune import set_autotune
 from .dispatch import reset
 from .ops import SPECS, get_spec
-from .ops.attention import flash_attention, flash_attention_varlen
+from .ops.attention import flash_attention, flash_attention_varlen, flash_attention_with_kvcache
 from .ops.gemm import gemm
 from .ops.mla import MlaMetadata, mla_decode, mla_metadata
 from .ops.mxfp4 import PrepackedMxfp4, dequantize_mxfp4, mxfp4_gemm, prepack_mxfp4, quantize_mxfp4
@@ -25,9 +25,9 @@ if importlib.util.find_spec(f"{__name__}.tuner") is None \
     __path__.append(str(_CHECKOUT))
 
 __all__ = ["SPECS", "MlaMetadata", "PrepackedMxfp4", "Target", "__version__", "dequantize_mxfp4",
-           "flash_attention", "flash_attention_varlen", "gemm", "get_spec", "mla_decode",
-           "mla_metadata", "mxfp4_gemm", "prepack_mxfp4", "quantize_mxfp4", "reset", "set_autotune",
-           "target_of", "tune"]
+           "flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache", "gemm",
+           "get_spec", "mla_decode", "mla_metadata", "mxfp4_gemm", "prepack_mxfp4",
+           "quantize_mxfp4", "reset", "set_autotune", "target_of", "tune"]
 
 
 def tune(op: str, shapes: str | Sequence[str], *, device: str = "auto", trials: int = 32,

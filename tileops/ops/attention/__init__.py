@@ -1,5 +1,6 @@
-"""FlashAttention forward: `tileops.flash_attention(q, k, v)` over a dense batch, and
-`tileops.flash_attention_varlen` over packed sequences of different lengths."""
+"""FlashAttention forward: `tileops.flash_attention(q, k, v)` over a dense batch,
+`tileops.flash_attention_varlen` over packed sequences of different lengths and
+`tileops.flash_attention_with_kvcache` over a paged KV cache."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 
 from ...dispatch import DISPATCHER
 from ...library import register
+from .paged import ATTENTION_PAGED, AttentionPagedSpec, PagedProblem
 from .spec import ATTENTION, AttentionProblem, AttentionSpec
 from .varlen import ATTENTION_VARLEN, AttentionVarlenSpec, VarlenProblem
 
@@ -94,5 +96,55 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return (out, lse) if return_lse else out
 
 
-__all__ = ["ATTENTION", "ATTENTION_VARLEN", "AttentionProblem", "AttentionSpec",
-           "AttentionVarlenSpec", "VarlenProblem", "flash_attention", "flash_attention_varlen"]
+def _fake_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                cache_seqlens: torch.Tensor, block_table: torch.Tensor, causal: bool = True,
+                softmax_scale: float | None = None, validate: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    torch._check(q.dim() == 4, lambda: "flash_attention_with_kvcache expects 4-D q")
+    B, Sq, Hq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, Hq, Sq), dtype=torch.float32)
+
+
+_paged_op = register(ATTENTION_PAGED,
+                     "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, "
+                     "Tensor block_table, bool causal=True, float? softmax_scale=None, "
+                     "bool validate=True) -> (Tensor, Tensor)", _fake_paged)
+
+
+def flash_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 cache_seqlens: torch.Tensor, block_table: torch.Tensor, *,
+                                 causal: bool = True, softmax_scale: float | None = None,
+                                 return_lse: bool = False, validate: bool = True
+                                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of new queries over a paged KV cache, as flash-attn's `flash_attn_with_kvcache`
+    with a `block_table` (chunked prefill, decode), through the best known kernel.
+
+    q: (batch, seqlen_q, heads_q, head_dim). k_cache, v_cache: (num_pages, page_size, heads_kv,
+    head_dim), contiguous; sequence b's key j is row j % page_size of page
+    block_table[b, j // page_size]. cache_seqlens: (batch,) int32 keys per sequence (the new
+    tokens' keys already written); block_table: (batch, pages per sequence) int32. On CUDA (sm_90)
+    page_size is a multiple of 64. Heads, head_dim, dtypes, `softmax_scale` and rows that see no
+    key are as in `flash_attention`; `causal` (the default, as chunked prefill needs) aligns the
+    mask bottom-right: query i sees keys j <= i + cache_seqlens[b] - seqlen_q.
+
+    Returns the output like q and with `return_lse` the fp32 log-sum-exp (batch, heads_q,
+    seqlen_q). Cache rows past a sequence's length are never used, whatever they hold.
+
+    `validate` (the default) checks every length against its table row and every page a
+    sequence uses against the cache, with one read of the result back to the host, and raises a
+    ValueError naming the bad entry. Inside CUDA-graph capture pass validate=False: the kernel
+    clamps lengths and page ids, so bad ones give wrong rows but read and write nothing outside
+    the tensors.
+    """
+    args = (q, k_cache, v_cache, cache_seqlens, block_table, causal, softmax_scale, validate)
+    if torch.compiler.is_compiling():
+        out, lse = _paged_op(*args)
+    else:
+        out, lse = DISPATCHER(ATTENTION_PAGED, *args)
+    return (out, lse) if return_lse else out
+
+
+__all__ = ["ATTENTION", "ATTENTION_PAGED", "ATTENTION_VARLEN", "AttentionPagedSpec",
+           "AttentionProblem", "AttentionSpec", "AttentionVarlenSpec", "PagedProblem",
+           "VarlenProblem", "flash_attention", "flash_attention_varlen",
+           "flash_attention_with_kvcache"]

@@ -12,6 +12,12 @@ the FlashAttention-2 online softmax: a running row max m and row sum l in fp32, 
 rescaled by exp2(m_old - m_new) when the max grows. Scores are kept in log2 units (log2(e) is
 folded into the softmax scale) so that every exponential is an exp2. Under the causal mask the KV
 loop stops at the last block the query block can see.
+
+The warp-specialised body of one query block (`_ws_overlap_tile`) serves three layouts of K and
+V: dense (`ws_overlap_program`), packed sequences (`ragged_program`, flash-attn's varlen) and a
+paged cache (`paged_program`), each passing how it finds the rows of a KV block; `_cpu_tile` is
+the CPU's counterpart. In the packed and paged layouts the rows past a sequence's end are not
+zeros but other rows; those programs zero them in V before P V (`zero_tail`).
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations, which
@@ -234,9 +240,11 @@ def _tile(tile, n_q, heads_q: int, batch, causal: bool):
     return tile % n_q, tile // n_q % heads_q, tile // (n_q * heads_q)
 
 
-def _ws_overlap_schedule(consumer_warps: int, Q_s, K_s, V_s, num_stages: int):
+def _ws_overlap_schedule(consumer_warps: int, Q_s, K_s, V_s, num_stages: int,
+                         zero_tail: bool = False):
     """`ws_overlap_program`'s roles, pipelines and the order of its named steps: the KV loop
-    inside the loop over the CTA's tiles (one tile, unless persistent)."""
+    inside the loop over the CTA's tiles (one tile, unless persistent). `zero_tail`: the
+    "zero_v" step of `_ws_overlap_tile` between V's wait and its product."""
     return T.WSSchedule(
         num_warps=4 + consumer_warps,
         roles=[T.WSRole("Producer", warps_lo=0, warps_hi=1, max_nreg=24),
@@ -251,7 +259,8 @@ def _ws_overlap_schedule(consumer_warps: int, Q_s, K_s, V_s, num_stages: int):
                              T.WSSync.producer_acquire("v"), "load_v",
                              T.WSSync.producer_commit("v")],
                 "Consumer": [T.WSSync.consumer_wait("k", stage=1), "qk",
-                             T.WSSync.consumer_wait("v", stage=2), "pv", "wait_qk",
+                             T.WSSync.consumer_wait("v", stage=2),
+                             *(["zero_v"] if zero_tail else []), "pv", "wait_qk",
                              T.WSSync.consumer_release("k", stage=1), "mask", "softmax",
                              "wait_pv", T.WSSync.consumer_release("v", stage=2), "rescale",
                              "cast"],
@@ -274,12 +283,31 @@ def _rows(buf, b, start, stop, head):
     return buf[b, start:stop, head, :]
 
 
+def _kv_rows(b, kv_row0, kv_head, block_N: int):
+    """The K or V rows of KV block kb of a dense sequence (b) or of a packed one starting at row
+    kv_row0 (b None): `_ws_overlap_tile`'s `kv_block` for those layouts."""
+    return lambda buf, kb: _rows(buf, b, kv_row0 + kb * block_N, kv_row0 + (kb + 1) * block_N,
+                                 kv_head)
+
+
+# The named barrier of the consumers' "zero_v" step (TileLang's own barriers take the low ids;
+# the ping-pong schedule, never warp-specialised by hand, takes 8 and 9).
+_ZERO_TAIL_BARRIER = 10
+
+
 @T.macro
-def _ws_overlap_tile(Q, K, V, O, LSE, buffers, b, head, kv_head, q_row0, kv_row0, q0, seqlen_q,
-                     seqlen_kv, n_blocks, n_full, causal: bool, scale, num_stages: int):
+def _ws_overlap_tile(Q, K, V, O, LSE, buffers, b, head, kv_block, q_row0, q0, seqlen_q,
+                     seqlen_kv, n_blocks, n_full, causal: bool, scale, num_stages: int,
+                     zero_tail: int = 0):
     """One query block of `ws_overlap_program`, after its "bounds": Q, the KV loop, the store.
-    q_row0 and kv_row0 are where the block's sequence starts in a packed batch (b None), 0 in a
-    dense one."""
+    q_row0 is where the block's sequence starts in a packed batch (b None), 0 in a dense one;
+    kv_block(buf, kb) the rows of KV block kb in K or V.
+
+    `zero_tail` (the consumer thread count, or 0): the KV rows past seqlen_kv in the last block
+    are not zeros from past the tensor but another sequence's rows or stale cache rows, which may
+    hold NaN or Inf; their scores are masked, but P V would still carry 0 * NaN into every row.
+    So before that product the consumers zero those V rows in shared memory (the producer's TMA
+    cannot predicate rows)."""
     (Q_s, K_s, V_s, O_s, S, P, acc, m, m_prev, m_safe, alpha, l,  # noqa: E741
      row_sum) = buffers
     block_M, block_N = S.shape
@@ -291,13 +319,25 @@ def _ws_overlap_tile(Q, K, V, O, LSE, buffers, b, head, kv_head, q_row0, kv_row0
         T.fill(l, 0)
         T.fill(m, -T.infinity(ACCUM))
     for kb in T.Pipelined(n_blocks, num_stages=num_stages, annotations={T.WSID: "kv"}):
-        T.copy(_rows(K, b, kv_row0 + kb * block_N, kv_row0 + (kb + 1) * block_N, kv_head), K_s,
-               annotations={T.WSID: "load_k"})
-        T.copy(_rows(V, b, kv_row0 + kb * block_N, kv_row0 + (kb + 1) * block_N, kv_head), V_s,
-               annotations={T.WSID: "load_v"})
+        T.copy(kv_block(K, kb), K_s, annotations={T.WSID: "load_k"})
+        T.copy(kv_block(V, kb), V_s, annotations={T.WSID: "load_v"})
         with T.ws_op("qk"):
             T.fill(S, 0)
             T.wgmma_gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        if zero_tail:
+            # At V's stage, kb is the block whose V this P V multiplies (the materialised loop
+            # runs it a block behind Q K^T, and the epilogue for the last block).
+            with T.ws_op("zero_v"):
+                if (kb + 1) * block_N > seqlen_kv:
+                    # Every read of this V buffer ended before the producer refilled it; the
+                    # barrier here only keeps TileLang from putting one before the branch, in
+                    # every block.
+                    T.sync_threads(_ZERO_TAIL_BARRIER, zero_tail)
+                    for j, d in T.Parallel(block_N, V_s.shape[1]):
+                        if kb * block_N + j >= seqlen_kv:
+                            V_s[j, d] = 0
+                    T.fence_proxy_async()  # the generic-proxy stores, before wgmma reads V_s
+                    T.sync_threads(_ZERO_TAIL_BARRIER, zero_tail)
         T.wgmma_gemm(P, V_s, acc, policy=T.GemmWarpPolicy.FullRow,
                      annotations={T.WSID: "pv"})
         with T.ws_op("wait_qk"):  # P V of kb - 1 goes on (none is in flight at kb 0)
@@ -371,8 +411,9 @@ def ws_overlap_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool,
                     kv_head = head // group
                     n_blocks = _n_blocks(q0, block_M, block_N, seqlen_q, seqlen_kv, causal)
                     n_full = _full_blocks(q0, block_N, seqlen_q, seqlen_kv, causal)
-                _ws_overlap_tile(Q, K, V, O, LSE, buffers, b, head, kv_head, 0, 0, q0, seqlen_q,
-                                 seqlen_kv, n_blocks, n_full, causal, scale, num_stages)
+                _ws_overlap_tile(Q, K, V, O, LSE, buffers, b, head,
+                                 _kv_rows(b, 0, kv_head, block_N), 0, q0, seqlen_q, seqlen_kv,
+                                 n_blocks, n_full, causal, scale, num_stages)
 
     return flash_attention
 
@@ -407,7 +448,8 @@ def ragged_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dty
         n_items = n_entries * heads_q
         with T.Kernel(ctas if ctas else n_items, threads=threads) as ids:
             buffers = _buffers(block_M, block_N, head_dim, dtype)
-            T.annotate_ws_schedule(_ws_overlap_schedule(threads // 32, *buffers[:3], num_stages))
+            T.annotate_ws_schedule(_ws_overlap_schedule(threads // 32, *buffers[:3], num_stages,
+                                                         zero_tail=True))
             n_tiles = T.ceildiv(n_items - ids, ctas) if ctas else 1
             for t in T.serial(n_tiles, annotations={T.WSID: "tiles"}):
                 with T.ws_op("bounds"):
@@ -424,9 +466,10 @@ def ragged_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dty
                         q0 < seqlen_q,
                         _n_blocks(q0, block_M, block_N, seqlen_q, seqlen_kv, causal), 1)
                     n_full = _full_blocks(q0, block_N, seqlen_q, seqlen_kv, causal)
-                _ws_overlap_tile(Q, K, V, O, LSE, buffers, None, head, kv_head, q_row0, kv_row0,
-                                 q0, seqlen_q, seqlen_kv, n_blocks, n_full, causal, scale,
-                                 num_stages)
+                _ws_overlap_tile(Q, K, V, O, LSE, buffers, None, head,
+                                 _kv_rows(None, kv_row0, kv_head, block_N), q_row0, q0,
+                                 seqlen_q, seqlen_kv, n_blocks, n_full, causal, scale,
+                                 num_stages, zero_tail=threads)
 
     return flash_attention_varlen
 
@@ -436,10 +479,17 @@ def _at(buf, b, row, head, d):
     return buf[row, head, d] if b is None else buf[b, row, head, d]
 
 
+def _kv_at(b, kv_row0, kv_head):
+    """Element d of key j of a dense sequence (b) or of a packed one starting at row kv_row0
+    (b None) in K or V: `_cpu_tile`'s `kv_at` for those layouts."""
+    return lambda buf, j, d: _at(buf, b, kv_row0 + j, kv_head, d)
+
+
 @TC.macro
-def _cpu_tile(Q, K, V, O, LSE, b, head, kv_head, q_row0, kv_row0, q0, seqlen_q, seqlen_kv,
-              causal: bool, dtype: str, block_M: int, block_N: int):
-    """One query block of `cpu_program`; q_row0 and kv_row0 as in `_ws_overlap_tile`."""
+def _cpu_tile(Q, K, V, O, LSE, b, head, kv_at, q_row0, q0, seqlen_q, seqlen_kv, causal: bool,
+              dtype: str, block_M: int, block_N: int):
+    """One query block of `cpu_program`; q_row0 as in `_ws_overlap_tile`, kv_at(buf, j, d)
+    element d of the sequence's key j in K or V."""
     D = Q.shape[-1]
     neg_inf = -TC.infinity(ACCUM)
     scale = D ** -0.5 * LOG2E
@@ -462,10 +512,8 @@ def _cpu_tile(Q, K, V, O, LSE, b, head, kv_head, q_row0, kv_row0, q0, seqlen_q, 
     for kb in TC.serial(_kv_blocks(q0, block_M, block_N, seqlen_q, seqlen_kv, causal)):
         k0 = kb * block_N
         for j, d in TC.grid(block_N, D):
-            k[j, d] = TC.if_then_else(k0 + j < seqlen_kv,
-                                      to_f32(_at(K, b, kv_row0 + k0 + j, kv_head, d), dtype), 0.0)
-            v[j, d] = TC.if_then_else(k0 + j < seqlen_kv,
-                                      to_f32(_at(V, b, kv_row0 + k0 + j, kv_head, d), dtype), 0.0)
+            k[j, d] = TC.if_then_else(k0 + j < seqlen_kv, to_f32(kv_at(K, k0 + j, d), dtype), 0.0)
+            v[j, d] = TC.if_then_else(k0 + j < seqlen_kv, to_f32(kv_at(V, k0 + j, d), dtype), 0.0)
         for i, j in TC.grid(block_M, block_N):
             s[i, j] = 0.0
         for i, j, d in TC.grid(block_M, block_N, D):
@@ -525,8 +573,8 @@ def cpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
                         V: TC.Tensor(kv_shape, bits(dtype)), O: TC.Tensor(q_shape, bits(dtype)),
                         LSE: TC.Tensor((batch, heads_q, seqlen_q), ACCUM)):
         with TC.Kernel(TC.ceildiv(seqlen_q, block_M), heads_q, batch) as (bx, head, b):
-            _cpu_tile(Q, K, V, O, LSE, b, head, head // group, 0, 0, bx * block_M, seqlen_q,
-                      seqlen_kv, causal, dtype, block_M, block_N)
+            _cpu_tile(Q, K, V, O, LSE, b, head, _kv_at(b, 0, head // group), 0, bx * block_M,
+                      seqlen_q, seqlen_kv, causal, dtype, block_M, block_N)
 
     return flash_attention
 
@@ -550,10 +598,100 @@ def cpu_ragged_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool,
             seq = Tiles[entry, 0]
             q_row0 = TC.min(CuQ[seq], tokens_q)
             kv_row0 = TC.min(CuKV[seq], tokens_kv)
-            _cpu_tile(Q, K, V, O, LSE, None, head, head // group, q_row0, kv_row0,
-                      Tiles[entry, 1] * block_M,
+            _cpu_tile(Q, K, V, O, LSE, None, head, _kv_at(None, kv_row0, head // group),
+                      q_row0, Tiles[entry, 1] * block_M,
                       TC.min(TC.max(CuQ[seq + 1], q_row0), tokens_q) - q_row0,
                       TC.min(TC.max(CuKV[seq + 1], kv_row0), tokens_kv) - kv_row0,
                       causal, dtype, block_M, block_N)
 
     return flash_attention_varlen
+
+
+def _page(table, b, pos, page_size: int, pages):
+    """The cache page holding key `pos` of sequence b, clamped into the cache: [0, pages)."""
+    return T.min(T.max(table[b, pos // page_size], 0), pages - 1)
+
+
+def _paged_rows(table, b, kv_head, block_N: int, page_size: int, pages):
+    """The K or V rows of KV block kb of sequence b in a paged cache (pages, page_size, heads,
+    dim): one TMA load, since a page holds whole blocks (page_size a multiple of block_N)."""
+    def rows(buf, kb):
+        pos = kb * block_N
+        off = pos % page_size
+        return buf[_page(table, b, pos, page_size, pages), off:off + block_N, kv_head, :]
+
+    return rows
+
+
+def paged_program(heads_q: int, heads_kv: int, head_dim: int, page_size: int, causal: bool,
+                  dtype: str, *, block_M: int, block_N: int, num_stages: int, threads: int):
+    """`ws_overlap_program` over a paged KV cache, as flash-attn's `flash_attn_with_kvcache`
+    takes it: Q, O and LSE as in the dense program; K and V (pages, page_size, heads_kv,
+    head_dim), sequence b's key j at row j % page_size of page BlockTable[b, j // page_size];
+    CacheSeqlens[b] keys per sequence.
+
+    A length is clamped into what its table row can address and a page id into the cache, so no
+    table or lengths can move a load outside the tensors. The last block's rows past the length
+    are whatever the cache holds there: the consumers zero them in V (`zero_tail`).
+    """
+    batch, seqlen_q = T.dynamic("batch"), T.dynamic("seqlen_q")
+    pages, table_w = T.dynamic("pages"), T.dynamic("table_w")
+    group = heads_q // heads_kv
+    scale = head_dim ** -0.5 * LOG2E
+    q_shape = (batch, seqlen_q, heads_q, head_dim)
+    cache_shape = (pages, page_size, heads_kv, head_dim)
+
+    @T.prim_func
+    def flash_attention_paged(
+            Q: T.Tensor(q_shape, dtype), KCache: T.Tensor(cache_shape, dtype),
+            VCache: T.Tensor(cache_shape, dtype), CacheSeqlens: T.Tensor((batch,), "int32"),
+            BlockTable: T.Tensor((batch, table_w), "int32"), O: T.Tensor(q_shape, dtype),
+            LSE: T.Tensor((batch, heads_q, seqlen_q), ACCUM)):
+        n_q = T.ceildiv(seqlen_q, block_M)
+        with T.Kernel(n_q, heads_q, batch, threads=threads) as (bx, head, b):
+            buffers = _buffers(block_M, block_N, head_dim, dtype)
+            T.annotate_ws_schedule(_ws_overlap_schedule(threads // 32, *buffers[:3], num_stages,
+                                                        zero_tail=True))
+            for _ in T.serial(1, annotations={T.WSID: "tiles"}):
+                with T.ws_op("bounds"):
+                    q0 = (n_q - 1 - bx if causal else bx) * block_M
+                    seqlen_kv = T.min(T.max(CacheSeqlens[b], 0), table_w * page_size)
+                    n_blocks = _n_blocks(q0, block_M, block_N, seqlen_q, seqlen_kv, causal)
+                    n_full = _full_blocks(q0, block_N, seqlen_q, seqlen_kv, causal)
+                _ws_overlap_tile(Q, KCache, VCache, O, LSE, buffers, b, head,
+                                 _paged_rows(BlockTable, b, head // group, block_N, page_size,
+                                             pages),
+                                 0, q0, seqlen_q, seqlen_kv, n_blocks, n_full, causal, scale,
+                                 num_stages, zero_tail=threads)
+
+    return flash_attention_paged
+
+
+def cpu_paged_program(heads_q: int, heads_kv: int, head_dim: int, page_size: int, causal: bool,
+                      dtype: str, *, block_M: int, block_N: int):
+    """`cpu_program` over the paged cache of `paged_program`, with the same arguments (any page
+    size: the CPU tile reads element by element)."""
+    batch, seqlen_q = TC.dynamic("batch"), TC.dynamic("seqlen_q")
+    pages, table_w = TC.dynamic("pages"), TC.dynamic("table_w")
+    group = heads_q // heads_kv
+    q_shape = (batch, seqlen_q, heads_q, head_dim)
+    cache_shape = (pages, page_size, heads_kv, head_dim)
+
+    def kv_at(table, b, kv_head):
+        return lambda buf, j, d: buf[TC.min(TC.max(table[b, j // page_size], 0), pages - 1),
+                                     j % page_size, kv_head, d]
+
+    @TC.prim_func
+    def flash_attention_paged(
+            Q: TC.Tensor(q_shape, bits(dtype)), KCache: TC.Tensor(cache_shape, bits(dtype)),
+            VCache: TC.Tensor(cache_shape, bits(dtype)),
+            CacheSeqlens: TC.Tensor((batch,), "int32"),
+            BlockTable: TC.Tensor((batch, table_w), "int32"), O: TC.Tensor(q_shape, bits(dtype)),
+            LSE: TC.Tensor((batch, heads_q, seqlen_q), ACCUM)):
+        with TC.Kernel(TC.ceildiv(seqlen_q, block_M), heads_q, batch) as (bx, head, b):
+            _cpu_tile(Q, KCache, VCache, O, LSE, b, head, kv_at(BlockTable, b, head // group), 0,
+                      bx * block_M, seqlen_q,
+                      TC.min(TC.max(CacheSeqlens[b], 0), table_w * page_size), causal, dtype,
+                      block_M, block_N)
+
+    return flash_attention_paged

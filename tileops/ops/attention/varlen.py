@@ -371,6 +371,15 @@ class AttentionVarlenSpec(OpSpec):
             return out, lse
         return _per_sequence(q, k, v, cu_q, cu_k, causal, q.dtype)
 
+    def reported_beside(self, args: VarlenArgs) -> dict[str, Any]:
+        """The call with validate=False: no read of the offsets, the tile list made on the
+        device (what a CUDA graph replays)."""
+        from ...dispatch import DISPATCHER
+
+        q, k, v, cu_q, cu_k, max_q, max_k, causal, _ = args
+        return {"validate=False": lambda: DISPATCHER(self, q, k, v, cu_q, cu_k, max_q, max_k,
+                                                     causal, None, False)}
+
     # ---- inputs, reference, roofline ------------------------------------------------------------
     def make_inputs(self, problem: VarlenProblem, device: torch.device, seed: int = 0,
                     sizes: dict[str, int] | None = None) -> tuple:
