@@ -59,6 +59,16 @@ def test_paged_matches_dense_attention_on_the_gathered_cache():
     assert rel_error(paged, dense) < 1e-5
 
 
+def test_paged_under_torch_compile():
+    q, kc, vc, lens, table = inputs(2, 5, [20, 9], 4, 2, 64, 8, torch.float32, CPU)
+
+    def layer(q):
+        return tileops.flash_attention_with_kvcache(q, kc, vc, lens, table) * 2
+
+    ref = ATTENTION_PAGED.reference((q, kc, vc, lens, table, True))[0] * 2
+    assert rel_error(torch.compile(layer, fullgraph=True)(q), ref) < 1e-5
+
+
 def test_paged_problem_syntax_and_key():
     problem = ATTENTION_PAGED.parse_exact("4x2048x16384x32x8x128x256:causal", "bfloat16")
     assert problem == ATTENTION_PAGED.Problem(4, 2048, 16384, 32, 8, 128, 256, True, "bfloat16")

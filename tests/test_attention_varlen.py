@@ -60,6 +60,16 @@ def test_varlen_softmax_scale_and_strided_inputs():
                        tileops.flash_attention_varlen(q, k, v, cu_q, cu_k, mq, mk))
 
 
+def test_varlen_under_torch_compile():
+    q, k, v, cu_q, cu_k, mq, mk = inputs([20, 13], [20, 13], 4, 2, 64, torch.float32, CPU)
+
+    def layer(q):
+        return tileops.flash_attention_varlen(q, k, v, cu_q, cu_k, mq, mk, causal=True) * 2
+
+    ref = ATTENTION_VARLEN.reference((q, k, v, cu_q, cu_k, mq, mk, True))[0] * 2
+    assert rel_error(torch.compile(layer, fullgraph=True)(q), ref) < 1e-5
+
+
 def test_tile_list_covers_every_block_once_heaviest_first():
     lengths = [300, 1, 129, 0, 1000]
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)

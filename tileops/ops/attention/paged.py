@@ -97,10 +97,13 @@ class PagedArgs(NamedTuple):
 
 
 def _cuda_default(problem: PagedProblem, target: Target, space: Space) -> Config:
-    """The dense records' most common winner, 128 x 128 tiles in one stage, where the page holds
-    128-key blocks and head_dim is at most 128; else 64-key blocks."""
-    wide = problem.head_dim <= 128 and problem.page_size % 128 == 0
-    return {"block_M": 128, "block_N": 128 if wide else 64, "num_stages": 1, "threads": 256}
+    """The H200 records' winner in 12 of 13 problems: 128 x 128 tiles in two stages, where the
+    page holds 128-key blocks (else 64-key blocks) and head_dim is at most 128 (at 256, 64-key
+    blocks in one stage, what fits in shared memory)."""
+    if problem.head_dim > 128:
+        return {"block_M": 128, "block_N": 64, "num_stages": 1, "threads": 256}
+    block_N = 128 if problem.page_size % 128 == 0 else 64
+    return {"block_M": 128, "block_N": block_N, "num_stages": 2, "threads": 256}
 
 
 def _check_cuda(problem: PagedProblem, config: Config, target: Target) -> str | None:
