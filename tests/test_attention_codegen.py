@@ -124,3 +124,15 @@ def test_sm80_configurations_refused_where_tilelang_cannot_lower_them(config, lo
     assert (reason is None) == lowers
     if lowers:
         assert "mma" in lower(ATTENTION.build(problem, config, A100), A100).kernel_source
+
+
+def test_persistent_packed_kernel_counts_barrier_phases_at_run_time():
+    """Tiles of a packed batch differ in KV block count, read from memory: a phase linearised as
+    t * n_blocks + kb would be wrong at the second tile (the CTAs hung)."""
+    from tileops.ops.attention import ATTENTION_VARLEN
+
+    problem = ATTENTION_VARLEN.parse_problem("4096x1024x8x8x64:causal", "bfloat16")
+    config = {"block_M": 64, "block_N": 64, "num_stages": 1, "threads": 128, "persistent": 1}
+    assert ATTENTION_VARLEN.check_config(problem, config, H200) is None
+    src = lower(ATTENTION_VARLEN.build(problem, config, H200), H200).kernel_source
+    assert "k_phase" in src and "v_phase" in src

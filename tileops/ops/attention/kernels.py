@@ -465,6 +465,13 @@ def ragged_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dty
                     n_blocks = T.if_then_else(
                         q0 < seqlen_q,
                         _n_blocks(q0, block_M, block_N, seqlen_q, seqlen_kv, causal), 1)
+                    if ctas:
+                        # Each tile's KV block count comes from memory (the list, the offsets),
+                        # bound to variables the loop bound names instead of t; TileLang then
+                        # takes the nest for rectangular and counts barrier phases as
+                        # t * n_blocks + kb, wrong once two tiles differ (the CTAs hung). t >> 31
+                        # is 0; it makes the bound read t, so the phases are counted at run time.
+                        n_blocks = n_blocks + T.shift_right(t, 31)
                     n_full = _full_blocks(q0, block_N, seqlen_q, seqlen_kv, causal)
                 _ws_overlap_tile(Q, K, V, O, LSE, buffers, None, head,
                                  _kv_rows(None, kv_row0, kv_head, block_N), q_row0, q0,
