@@ -25,6 +25,7 @@ from harness import RESULTS, device_dir, new_report, time_inputs
 
 from tileops.dispatch import DISPATCHER
 from tileops.ops import get_spec
+from tileops.ops.host import DTYPE_NAMES
 from tileops.target import Target, resolve_device
 from tileops.tuner.timing import Timer
 
@@ -49,12 +50,12 @@ def dense_case(batch: int, seqlen: int, heads_kv: int, causal: bool, target: Tar
     case = time_inputs(spec, inputs, label, target, timer,
                        beside={"dense kernel": lambda: DISPATCHER(dense, qd, kd, vd, causal,
                                                                   None)})
-    problem = dense.parse_exact(f"{batch}x{seqlen}x{seqlen}x{heads_q}x{heads_kv}x{head_dim}"
-                                + (":causal" if causal else ""), "bfloat16")
+    problem = dense.Problem(batch, seqlen, seqlen, heads_q, heads_kv, head_dim, causal,
+                            DTYPE_NAMES[dtype])
     us = case["beside_us"]
     return {"problem": {"batch": batch, "seqlen": seqlen, "heads_q": heads_q,
                         "heads_kv": heads_kv, "head_dim": head_dim, "causal": causal},
-            "dtype": "bfloat16", **case,
+            "dtype": problem.dtype, **case,
             "tflops": dense.flops(problem) / case["tileops_us"] / 1e6,
             "gbps": dense.bytes_moved(problem) / case["tileops_us"] / 1e3,
             "vs_dense": us["dense kernel"] / case["tileops_us"],

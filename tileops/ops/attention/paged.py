@@ -12,8 +12,8 @@ as chunked prefill appends them), rows that see no key and the scale are as in
 Problem key: (batch, seqlen_q, seqlen_kv, heads_q, heads_kv, head_dim, page_size, causal, dtype)
 where seqlen_kv is what the block table can address (its width times page_size), so that a call
 needs no read of the lengths to be keyed; both lengths bucketed by `pow2_bucket` and, with batch,
-dynamic in the compiled kernel. On CUDA a page holds whole KV
-blocks: page_size a multiple of 64 (of 128 for the 128-key tiles).
+dynamic in the compiled kernel. On CUDA a page holds whole KV blocks: page_size a multiple of 64
+(of 128 for the 128-key tiles).
 
 Command-line syntax: `BxSQxSKVxHQxHKVxDxPAGE[:causal]`, e.g. `4x2048x16384x32x8x128x256:causal`
 (chunked prefill: 2048 new queries over 16384 cached keys). Its inputs put every sequence at
@@ -269,7 +269,9 @@ class AttentionPagedSpec(OpSpec):
         graph replays)."""
         from ...dispatch import DISPATCHER
 
-        return {"validate=False": lambda: DISPATCHER(self, *args[:6], None, False)}
+        return {"validate=False": lambda: DISPATCHER(self, args.q, args.k_cache, args.v_cache,
+                                                     args.cache_seqlens, args.block_table,
+                                                     args.causal, None, False)}
 
     # ---- inputs, reference, roofline ------------------------------------------------------------
     def make_inputs(self, problem: PagedProblem, device: torch.device, seed: int = 0,
