@@ -139,9 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     suite = suites.load(args.suite, args.dtype.split(",") if args.dtype else None)
-    spec = tileops.get_spec(args.op or suite.op)
-    if args.op and spec.Problem is not tileops.get_spec(suite.op).Problem:
-        ap.error(f"--op {args.op}: its problems are not those of suite {args.suite}")
+    try:
+        spec = suites.suite_spec(suite, args.op)
+    except suites.UsageError as e:
+        ap.error(str(e))
     problems = suite.cases
     if args.where:
         field, _, values = args.where.partition("=")

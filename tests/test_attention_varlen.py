@@ -161,6 +161,7 @@ def test_varlen_cuda_matches_reference(lq, lkv, Hq, Hkv, D, causal, dtype):
 @pytest.mark.parametrize("config", [
     {"block_M": 64, "block_N": 64, "num_stages": 2, "threads": 128, "persistent": 0},
     {"block_M": 128, "block_N": 64, "num_stages": 2, "threads": 256, "persistent": 0},
+    {"block_M": 128, "block_N": 128, "num_stages": 2, "threads": 256, "persistent": 1},
 ])
 def test_varlen_cuda_configs_write_every_element(config):
     """Each configuration against the reference, into NaN-filled outputs: a row it never wrote

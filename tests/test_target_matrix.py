@@ -45,6 +45,7 @@ PROBLEMS = {
     "mxfp4_gemm": ("16x256x256", "bfloat16"),
     "mxfp4_gemm_packed": ("16x256x256", "bfloat16"),
     "attention": ("1x128x128x32x8x128:causal", "bfloat16"),
+    "attention_backward": ("1x128x128x32x8x128:causal", "bfloat16"),
     "attention_varlen": ("128x128x32x8x128:causal", "bfloat16"),
     "attention_paged": ("1x128x256x32x8x128x128:causal", "bfloat16"),
     "mla_decode": ("B1xS128xH16", "bfloat16"),
@@ -58,6 +59,7 @@ MATRIX = {
     "mxfp4_gemm_packed": (LOWERS, REFUSED, REFUSED, REFUSED, REFUSED),  # RS wgmma: sm_90 only
     "attention":  (LOWERS, LOWERS,  LOWERS,  REFUSED, REFUSED),
     "attention_varlen": (LOWERS, REFUSED, REFUSED, REFUSED, REFUSED),  # TMA, async wgmma: sm_90
+    "attention_backward": (LOWERS, REFUSED, REFUSED, REFUSED, REFUSED),  # TMA reduce-add: sm_90
     "attention_paged": (LOWERS, REFUSED, REFUSED, REFUSED, REFUSED),
     "mla_decode": (LOWERS, REFUSED, REFUSED, REFUSED, REFUSED),
 }

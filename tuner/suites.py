@@ -178,5 +178,16 @@ def named_spec(name: str) -> OpSpec:
         raise UsageError(str(e)) from None
 
 
+def suite_spec(suite: Suite, op: str | None = None) -> OpSpec:
+    """The spec that runs a suite's problems: the suite's operator, or `op`, another spec of the
+    same problems (attention_backward for the attention suite, mxfp4_gemm_packed for MXFP4's);
+    a UsageError for one whose problems differ."""
+    spec = named_spec(op or suite.op)
+    if spec.Problem is not named_spec(suite.op).Problem:
+        raise UsageError(f"suite {suite.name!r} holds {suite.op} problems; {spec.name} takes "
+                         "others")
+    return spec
+
+
 def _dedupe(problems: Iterable[tuple]) -> list[tuple]:
     return list(dict.fromkeys(problems))

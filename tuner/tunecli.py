@@ -21,7 +21,7 @@ import torch
 
 from tileops import dispatch
 from tileops.db import DatabaseError, TuningDB, default_user_db
-from tileops.ops import SPECS, get_spec
+from tileops.ops import SPECS
 from tileops.spec import OpSpec, canonical
 from tileops.target import Target, parse_override, resolve_device
 
@@ -38,7 +38,8 @@ log = logging.getLogger("tileops.tuner")
 
 def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--op", help=f"operator to tune ({', '.join(SPECS)}; `tileops ops` lists "
-                                "them with their problem syntax); implied by --suite")
+                                "them with their problem syntax); implied by --suite, or "
+                                "another spec of the suite's problems (attention_backward)")
     p.add_argument("--device", default="auto",
                    help="auto (first GPU, else the CPU), cpu, cuda[:N], hip, metal, or a TileLang "
                         'target dict such as \'{"kind": "cuda", "arch": "sm_90a"}\'')
@@ -245,9 +246,7 @@ def _problems(args: argparse.Namespace) -> tuple[OpSpec, list[tuple]]:
     dtypes = [d.strip() for d in args.dtype.split(",")] if args.dtype else None
     if args.suite:
         suite = suites.load(args.suite, dtypes)
-        if args.op and args.op != suite.op:
-            raise UsageError(f"suite {suite.name!r} is for {suite.op!r}, not {args.op!r}")
-        spec, problems = get_spec(suite.op), suite.problems
+        spec, problems = suites.suite_spec(suite, args.op), suite.problems
     else:
         if not args.op:
             raise UsageError(f"--op is required with --shape or --problems ({', '.join(SPECS)})")

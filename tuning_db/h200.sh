@@ -11,10 +11,10 @@
 # OP SLICE: gemm decode (M = 1, 16), gemm m64, gemm prefill (M = 256 ... 8192), mxfp4_gemm decode
 # (M = 1 ... 64), mxfp4_gemm prefill (M = 256 ... 4096), mxfp4_gemm_packed decode (M = 1, 16:
 # the prepacked weight), mxfp4_gemm_packed m64, attention all (grid), attention_varlen all (grid),
-# attention_paged all (grid), mla_decode all (TPE): the whole suites. A stopped slice resumes
-# where it stopped (the Optuna journal beside $DB), and every run appends what it cost (trials,
-# wall seconds by part: GPU time, the machine being held throughout) to
-# $REPORTS/OP-SLICE-DTYPE.jsonl, which benchmarks/tuning_cost.py sums.
+# attention_paged all (grid), attention_backward all (grid, over the attention suite), mla_decode
+# all (TPE): the whole suites. A stopped slice resumes where it stopped (the Optuna journal beside
+# $DB), and every run appends what it cost (trials, wall seconds by part: GPU time, the machine
+# being held throughout) to $REPORTS/OP-SLICE-DTYPE.jsonl, which benchmarks/tuning_cost.py sums.
 # WORKERS=N tunes on N GPUs at once (worker i on cuda:i, one study per problem shared by all);
 # JOBS sets the compile processes (default: all cores but one); DTYPE the element type of the
 # GEMM slices (default bfloat16; float16 records are separate ones).
@@ -30,12 +30,12 @@ H200='{"kind": "cuda", "arch": "sm_90a", "device": "NVIDIA H200", "units": 132}'
 NK="6144x4096 4096x4096 28672x4096 4096x14336 10240x8192 8192x8192 57344x8192 8192x28672"
 SLICES="gemm:decode gemm:m64 gemm:prefill mxfp4_gemm:decode mxfp4_gemm:prefill
   mxfp4_gemm_packed:decode mxfp4_gemm_packed:m64 attention:all attention_varlen:all
-  attention_paged:all mla_decode:all"
+  attention_paged:all attention_backward:all mla_decode:all"
 
 usage() { sed -n '2,20p' "$0"; exit 2; }
 
 slice() {  # sets ms, space, sampler, trials, extra for OP SLICE
-  sampler=grid trials=64 space= extra=() dtype=$DTYPE
+  sampler=grid trials=64 space= extra=() dtype=$DTYPE suite=$1
   case "$1:$2" in
     gemm:decode)  # the weight takes the wgmma M side (swap_ab); split-K for more CTAs
       ms="1 16"; space='{"block_M": [16], "block_N": [64, 128], "block_K": [128, 256],
@@ -71,11 +71,14 @@ slice() {  # sets ms, space, sampler, trials, extra for OP SLICE
         "num_stages": [1, 2], "threads": [128, 256], "overlap": [0, 1, 2], "pingpong": [0],
         "persistent": [0, 1]}' ;;
     attention_varlen:all)  # the paged kernel's winners at head_dim 128 (128 x 128 tiles, one or
-      # two stages, 12 of 13 problems; benchmarks/NOTES.md): a packed kernel takes ~80 s to lower
+      # two stages, 12 of 13 problems; benchmarks/NOTES.md), persistent or not: a packed kernel
+      # takes ~80 s to lower
       ms=""; dtype=bfloat16; space='{"block_M": [128], "block_N": [128], "num_stages": [1, 2],
-        "threads": [256], "persistent": [0]}' ;;
+        "threads": [256], "persistent": [0, 1]}' ;;
     attention_paged:all)  # the paged kernel's whole space (configs/attention_paged.toml)
       ms=""; dtype=bfloat16 ;;
+    attention_backward:all)  # the backward's whole space over the attention suite's problems
+      ms=""; dtype=bfloat16; suite=attention ;;
     mla_decode:all)  # the whole space, searched by TPE until it stops improving
       ms=""; dtype=bfloat16; sampler=tpe trials=24; extra=(--patience 8) ;;
     *) usage ;;
@@ -84,7 +87,7 @@ slice() {  # sets ms, space, sampler, trials, extra for OP SLICE
 
 problems() {  # the slice's problems: one --shape per (M, N, K) (GEMM: the w.t() layout), or a suite
   if [[ -z $ms ]]; then
-    printf -- '--suite %s ' "$1"  # attention, attention_varlen, attention_paged, mla_decode
+    printf -- '--suite %s ' "$suite"  # attention (also for attention_backward), attention_varlen, ...
     return
   fi
   local layout=""; [[ $1 == gemm ]] && layout=":nk"
@@ -94,7 +97,7 @@ problems() {  # the slice's problems: one --shape per (M, N, K) (GEMM: the w.t()
 run() {  # run ACTION OP SLICE
   slice "$2" "$3"
   local space_args=(); [[ -z $space ]] || space_args=(--space "$space")
-  local op_args=(--op "$2"); [[ -z $ms ]] && op_args=()
+  local op_args=(--op "$2"); [[ -z $ms && $2 == "$suite" ]] && op_args=()
   mkdir -p "$REPORTS"
   # shellcheck disable=SC2046  # $(problems ...): one argument per word
   case $1 in

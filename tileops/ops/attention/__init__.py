@@ -1,6 +1,7 @@
-"""FlashAttention forward: `tileops.flash_attention(q, k, v)` over a dense batch,
-`tileops.flash_attention_varlen` over packed sequences of different lengths and
-`tileops.flash_attention_with_kvcache` over a paged KV cache."""
+"""FlashAttention: `tileops.flash_attention(q, k, v)` over a dense batch (differentiable: its
+backward is the `attention_backward` operator), `tileops.flash_attention_varlen` over packed
+sequences of different lengths and `tileops.flash_attention_with_kvcache` over a paged KV
+cache."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from ...dispatch import DISPATCHER
 from ...library import register
+from .backward import ATTENTION_BACKWARD, AttentionBackwardSpec
 from .paged import ATTENTION_PAGED, AttentionPagedSpec, PagedProblem
 from .spec import ATTENTION, AttentionProblem, AttentionSpec
 from .varlen import ATTENTION_VARLEN, AttentionVarlenSpec, VarlenProblem
@@ -20,8 +22,42 @@ def _fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fals
     return q.new_empty(q.shape), q.new_empty((B, Hq, Sq), dtype=torch.float32)
 
 
+def _fake_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   grad_out: torch.Tensor, lse: torch.Tensor, causal: bool = False,
+                   softmax_scale: float | None = None, grad_lse: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+_backward_op = register(ATTENTION_BACKWARD,
+                        "(Tensor q, Tensor k, Tensor v, Tensor out, Tensor grad_out, Tensor lse, "
+                        "bool causal=False, float? softmax_scale=None, Tensor? grad_lse=None) "
+                        "-> (Tensor, Tensor, Tensor)", _fake_backward)
+
+
+def _setup(ctx, inputs, output) -> None:
+    q, k, v, causal, softmax_scale = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.causal, ctx.softmax_scale = causal, softmax_scale
+
+
+def _backward(ctx, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None):
+    """dq, dk, dv through the `attention_backward` operator. The lse output is differentiable
+    too (its gradient enters as dS = P (dP - Delta + grad_lse))."""
+    q, k, v, out, lse = ctx.saved_tensors
+    if grad_out is None:  # only lse was used
+        grad_out = torch.zeros_like(out)
+    args = (q, k, v, out, grad_out.to(out.dtype), lse, ctx.causal, ctx.softmax_scale, grad_lse)
+    if torch.compiler.is_compiling():
+        grads = _backward_op(*args)
+    else:
+        grads = DISPATCHER(ATTENTION_BACKWARD, *args)
+    return (*grads, None, None)
+
+
 _op = register(ATTENTION, "(Tensor q, Tensor k, Tensor v, bool causal=False, "
-                          "float? softmax_scale=None) -> (Tensor, Tensor)", _fake)
+                          "float? softmax_scale=None) -> (Tensor, Tensor)", _fake,
+               autograd=(_setup, _backward))
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -40,8 +76,13 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     1/sqrt(head_dim). Returns the output (batch, seqlen_q, heads_q, head_dim) in the input dtype,
     and with `return_lse` also the fp32 log-sum-exp of the scaled scores (batch, heads_q,
     seqlen_q).
+
+    Differentiable: with q, k or v requiring grad (grad mode on) the call goes through the custom
+    op, whose backward (dq, dk, dv, in the inputs' dtype; the lse's gradient included) is the
+    tuned `attention_backward` kernel (sm_90 and the CPU), also under `torch.compile`.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(
+            getattr(t, "requires_grad", False) for t in (q, k, v))):
         out, lse = _op(q, k, v, causal, softmax_scale)
     else:
         out, lse = DISPATCHER(ATTENTION, q, k, v, causal, softmax_scale)
@@ -144,7 +185,7 @@ def flash_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     return (out, lse) if return_lse else out
 
 
-__all__ = ["ATTENTION", "ATTENTION_PAGED", "ATTENTION_VARLEN", "AttentionPagedSpec",
-           "AttentionProblem", "AttentionSpec", "AttentionVarlenSpec", "PagedProblem",
-           "VarlenProblem", "flash_attention", "flash_attention_varlen",
-           "flash_attention_with_kvcache"]
+__all__ = ["ATTENTION", "ATTENTION_BACKWARD", "ATTENTION_PAGED", "ATTENTION_VARLEN",
+           "AttentionBackwardSpec", "AttentionPagedSpec", "AttentionProblem", "AttentionSpec",
+           "AttentionVarlenSpec", "PagedProblem", "VarlenProblem", "flash_attention",
+           "flash_attention_varlen", "flash_attention_with_kvcache"]

@@ -1,0 +1,188 @@
+"""The backward of flash_attention: gradients against a float64 reference (GQA, causal with either
+length longer, the lse's gradient, a softmax scale), autograd and torch.compile wiring, the
+checks of bad arguments, and (marked `gpu`) the sm_90 kernel with NaN-filled outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import rel_error
+from test_codegen import A100, H200
+
+import tileops
+from tileops import dispatch
+from tileops.dispatch import DISPATCHER, lower
+from tileops.ops.attention import ATTENTION_BACKWARD
+from tileops.ops.attention.backward import attention_grads
+
+CPU = torch.device("cpu")
+
+
+def leaves(B, Sq, Skv, Hq, Hkv, D, dtype, device, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [torch.randn(B, S, H, D, generator=gen, device=device).to(dtype).requires_grad_()
+            for S, H in ((Sq, Hq), (Skv, Hkv), (Skv, Hkv))]
+
+
+def grads_of(q, k, v, causal, scale=None, lse_weight=0.0, seed=1):
+    """Autograd's (dq, dk, dv) of sum(out * g) + lse_weight * sum(lse * h), and the float64
+    reference's, for random g and h."""
+    out, lse = tileops.flash_attention(q, k, v, causal=causal, softmax_scale=scale,
+                                       return_lse=True)
+    gen = torch.Generator(device=q.device).manual_seed(seed)
+    g = torch.randn(out.shape, generator=gen, device=q.device).to(out.dtype)
+    h = torch.randn(lse.shape, generator=gen, device=q.device) * lse_weight
+    h = h.masked_fill(torch.isinf(lse), 0.0)  # rows that see no key: lse -inf, unused
+    loss = (out.float() * g.float()).sum() + (lse.masked_fill(torch.isinf(lse), 0) * h).sum()
+    got = torch.autograd.grad(loss, (q, k, v))
+    scale = q.shape[3] ** -0.5 if scale is None else scale
+    ref = attention_grads(q.detach(), k.detach(), v.detach(), g, causal, scale, torch.float64,
+                          h if lse_weight else None)
+    return got, ref
+
+
+CPU_CASES = [  # (batch, seqlen_q, seqlen_kv, heads_q, heads_kv, head_dim, causal)
+    (2, 37, 45, 4, 2, 64, False),   # GQA, lengths that end inside a block
+    (2, 37, 45, 4, 4, 64, True),    # chunked prefill: fewer queries than keys
+    (1, 50, 20, 4, 1, 64, True),    # MQA, rows that see no key
+    (1, 33, 33, 2, 2, 128, True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("B", "Sq", "Skv", "Hq", "Hkv", "D", "causal"), CPU_CASES)
+def test_cpu_gradients_match_float64(B, Sq, Skv, Hq, Hkv, D, causal, dtype):
+    got, ref = grads_of(*leaves(B, Sq, Skv, Hq, Hkv, D, dtype, CPU, seed=Sq), causal)
+    tol = 1e-5 if dtype is torch.float32 else 1e-2
+    for name, g, r in zip(("dq", "dk", "dv"), got, ref, strict=True):
+        assert g.dtype is dtype and g.shape == r.shape
+        assert rel_error(g, r) < tol, name
+
+
+def test_lse_gradient_and_softmax_scale():
+    q, k, v = leaves(2, 30, 41, 4, 2, 64, torch.float32, CPU)
+    got, ref = grads_of(q, k, v, True, scale=0.3, lse_weight=1.0)
+    for g, r in zip(got, ref, strict=True):
+        assert rel_error(g, r) < 1e-5
+
+
+@pytest.mark.filterwarnings("ignore:Input #:UserWarning")  # float32: the kernels' widest dtype
+def test_gradcheck():
+    q, k, v = leaves(1, 9, 12, 2, 1, 64, torch.float32, CPU)
+    # float32, so coarse finite differences
+    assert torch.autograd.gradcheck(lambda q, k, v: tileops.flash_attention(q, k, v, causal=True),
+                                    (q, k, v), eps=1e-2, atol=2e-2, rtol=2e-2, fast_mode=True)
+
+
+def test_backward_runs_through_its_own_operator(monkeypatch):
+    calls = []
+    dispatch_call = type(DISPATCHER).__call__
+
+    def counted(self, spec, *args):
+        calls.append(spec.name)
+        return dispatch_call(self, spec, *args)
+
+    monkeypatch.setattr(type(DISPATCHER), "__call__", counted)
+    q, k, v = leaves(1, 20, 20, 2, 2, 64, torch.float32, CPU)
+    tileops.flash_attention(q, k, v).sum().backward()
+    assert calls == ["attention", "attention_backward"]
+    assert q.grad is not None and k.grad is not None and v.grad is not None
+    calls.clear()
+    with torch.no_grad():  # no graph: the forward goes straight to dispatch
+        tileops.flash_attention(q, k, v)
+    assert calls == ["attention"]
+
+
+def test_gradients_under_torch_compile():
+    q, k, v = leaves(1, 24, 24, 4, 2, 64, torch.float32, CPU)
+
+    def layer(q, k, v):
+        return (tileops.flash_attention(q, k, v, causal=True) * 2).sum()
+
+    compiled = torch.compile(layer, fullgraph=True)
+    got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    want = torch.autograd.grad(layer(q, k, v), (q, k, v))
+    for g, w in zip(got, want, strict=True):
+        assert rel_error(g, w) < 1e-6
+
+
+def test_bad_arguments_are_refused():
+    q, k, v = (t.detach() for t in leaves(1, 8, 8, 2, 2, 64, torch.float32, CPU))
+    out, lse = tileops.flash_attention(q, k, v, return_lse=True)
+    g = torch.randn_like(out)
+    ok = (q, k, v, out, g, lse)
+    with pytest.raises(ValueError, match="grad_out must be shaped like q"):
+        ATTENTION_BACKWARD.prepare(q, k, v, out, g[:, :4], lse)
+    with pytest.raises(TypeError, match="out has dtype"):
+        ATTENTION_BACKWARD.prepare(q, k, v, out.double(), g, lse)
+    with pytest.raises(ValueError, match=r"lse must be a float tensor \(batch, heads_q"):
+        ATTENTION_BACKWARD.prepare(*ok[:5], lse.transpose(1, 2))
+    with pytest.raises(TypeError, match="lse must be float32"):
+        ATTENTION_BACKWARD.prepare(*ok[:5], lse.double())
+    three = torch.randn(1, 8, 3, 64)
+    with pytest.raises(ValueError, match="heads_q"):
+        ATTENTION_BACKWARD.prepare(q, three, three, out, g, lse)
+    with pytest.raises(RuntimeError, match="no double backward"):
+        ATTENTION_BACKWARD.prepare(*ok[:4], g.requires_grad_(), lse)
+
+
+def test_sm90a_codegen_reduces_dq_through_tma():
+    problem = ATTENTION_BACKWARD.Problem(2, 1024, 1024, 32, 8, 128, True, "bfloat16")
+    config = ATTENTION_BACKWARD.default_config(problem, H200)
+    assert ATTENTION_BACKWARD.check_config(problem, config, H200) is None
+    src = lower(ATTENTION_BACKWARD.build(problem, config, H200), H200).kernel_source
+    assert src.count("__global__") >= 3  # Delta, the main kernel, dQ's conversion
+    assert "wgmma_rs" in src and "wgmma_ss" in src  # P^T and dS^T from registers
+    assert "tma_store_add" in src  # dQ's reduce-add
+    assert "sm_90" in ATTENTION_BACKWARD.unsupported_reason(A100)
+
+
+# ---- CUDA (sm_90) ---------------------------------------------------------------------------------
+
+GPU_CASES = [  # (batch, seqlen_q, seqlen_kv, heads_q, heads_kv, head_dim, causal, dtype)
+    (2, 1000, 1000, 16, 4, 128, True, torch.bfloat16),    # odd lengths, GQA
+    (2, 1000, 1000, 16, 4, 128, False, torch.bfloat16),
+    (1, 777, 1299, 8, 8, 64, True, torch.float16),        # chunked prefill
+    (1, 1299, 777, 8, 2, 64, True, torch.bfloat16),       # rows that see no key
+    (1, 515, 515, 8, 1, 64, True, torch.bfloat16),        # MQA
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("B", "Sq", "Skv", "Hq", "Hkv", "D", "causal", "dtype"), GPU_CASES)
+def test_cuda_gradients_match_float64(B, Sq, Skv, Hq, Hkv, D, causal, dtype):
+    cuda = torch.device("cuda")
+    got, ref = grads_of(*leaves(B, Sq, Skv, Hq, Hkv, D, dtype, cuda, seed=Sq), causal,
+                        lse_weight=0.5)
+    for name, g, r in zip(("dq", "dk", "dv"), got, ref, strict=True):
+        assert rel_error(g, r) < 2e-2, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [
+    {"block_M": 64, "block_N": 128, "num_stages": 2, "threads": 256, "overlap": 0},
+    {"block_M": 64, "block_N": 64, "num_stages": 1, "threads": 128, "overlap": 0},
+    {"block_M": 64, "block_N": 128, "num_stages": 2, "threads": 256, "overlap": 1},
+    {"block_M": 64, "block_N": 64, "num_stages": 2, "threads": 128, "overlap": 1},
+])
+def test_cuda_configs_write_every_element(config):
+    """Each configuration into NaN-filled outputs, against the reference."""
+    cuda = torch.device("cuda")
+    problem = ATTENTION_BACKWARD.Problem(2, 1024, 1024, 16, 4, 128, True, "bfloat16")
+    inputs = ATTENTION_BACKWARD.make_inputs(problem, cuda, sizes={"seqlen_q": 1000,
+                                                                   "seqlen_kv": 1000})
+    call = ATTENTION_BACKWARD.prepare(*inputs)
+    target = tileops.target_of(cuda)
+    kernel = dispatch.compile_kernel(ATTENTION_BACKWARD, call.problem, config, target)
+    out = tuple(torch.full_like(t, float("nan")) for t in inputs[:3])
+    ATTENTION_BACKWARD.launch(kernel, call.args, out=out)
+    for g, r in zip(out, ATTENTION_BACKWARD.reference(inputs), strict=True):
+        assert not g.isnan().any() and rel_error(g, r) < 2e-2
+
+
+@pytest.mark.gpu
+def test_cuda_head_dim_256_is_refused_clearly():
+    q, k, v = leaves(1, 64, 64, 2, 2, 256, torch.bfloat16, torch.device("cuda"))
+    out = tileops.flash_attention(q, k, v)
+    with pytest.raises(NotImplementedError, match="head_dim 256 has no CUDA kernel"):
+        out.sum().backward()

@@ -1,0 +1,327 @@
+"""FlashAttention backward tile programs: dQ, dK and dV of O = softmax(Q K^T * scale + mask) V,
+from the forward's output O and log-sum-exp (FlashAttention-2's algorithm).
+
+Layout as in `kernels`: Q, O, dO and dQ (batch, seqlen_q, heads_q, head_dim), K, V, dK and dV
+(batch, seqlen_kv, heads_kv, head_dim), LSE (batch, heads_q, seqlen_q) fp32; batch and both
+lengths dynamic; the causal mask aligned bottom-right. `dLSE` is the gradient of the log-sum-exp
+output (zeros when only O is used): dS = P (dP - Delta) with Delta = rowsum(dO * O) - dLSE.
+
+A program runs three kernels in order:
+1. for every query row, Delta and the log-sum-exp in log2 units into workspaces (batch, heads_q,
+   rows) whose rows, `seqlen_q` rounded up to a multiple of 4, keep each head's row 16-byte
+   aligned as TMA requires; and the fp32 dQ accumulator zeroed;
+2. the main kernel. A program instance owns block_N keys of one KV head and keeps their dK and dV
+   in registers while it walks the query blocks of every query head of its group (GQA needs no
+   second reduction over heads). Per query block: S^T = K Q^T and dP^T = V dO^T; P^T =
+   exp(S^T * scale - LSE), zero where the key is hidden; dV += P^T dO; dS^T = scale * P^T (dP^T -
+   Delta); dK += dS^T Q. The block's dQ = dS K goes through shared memory into the accumulator
+   with one TMA reduce-add (every KV block adds to it);
+3. dQ, the accumulator in the input dtype.
+
+The accumulator is (batch, heads_q, seqlen_q, head_dim), so that a query block's rows of one head
+are one contiguous box for the reduce-add.
+"""
+
+# No `from __future__ import annotations`: TileLang evaluates the prim_func annotations, which
+# refer to closure variables.
+import tilelang.cpu.language as TC
+import tilelang.language as T
+
+from ..common import ACCUM, LOG2E, bits, from_f32, to_f32
+from ..online_softmax import FAST_MATH  # noqa: F401 (FAST_MATH: spec.fast_math)
+
+DELTA_ROWS = 64  # query rows per program instance of the Delta and dQ kernels
+
+
+def _first_query(k0, block_M: int, seqlen_q, seqlen_kv, causal: bool):
+    """The first query block that sees key k0: under the bottom-right mask query i sees key j
+    when i >= j - (seqlen_kv - seqlen_q)."""
+    if not causal:
+        return 0
+    return T.max(k0 - (seqlen_kv - seqlen_q), 0) // block_M
+
+
+def _seen(query, key, seqlen_q, seqlen_kv, causal: bool):
+    """Whether a (query, key) pair is inside the tensors and unmasked."""
+    inside = T.And(query < seqlen_q, key < seqlen_kv)
+    if causal:
+        return T.And(inside, key <= query + seqlen_kv - seqlen_q)
+    return inside
+
+
+# The named barrier of the hand-scheduled consumers (TileLang's own barriers take the low ids).
+_DS_BARRIER = 9
+
+
+@T.macro
+def _step(K_s, V_s, Q_s, dO_s, dS_s, dQ_s, lse, delta, S, dP, P, dS, dk, dv, dq, dQ_acc, b,
+          q_head, q0, k0, seqlen_q, seqlen_kv, causal: bool, scale: float, consumers: int):
+    """One query block of the main kernel: the five products and dQ's reduce-add.
+
+    `consumers` 0: each product waits for itself (TileLang's warp specialisation). Otherwise the
+    `consumers` threads of `_ws_schedule` issue the products asynchronously: dP^T = V dO^T runs
+    under P's exponentials, dV under dS's arithmetic, dK under dS's store."""
+    full = T.GemmWarpPolicy.FullRow
+    gemm = T.wgmma_gemm if consumers else T.gemm
+    with T.ws_op("s"):
+        T.clear(S)
+        gemm(K_s, Q_s, S, transpose_B=True, policy=full)
+    with T.ws_op("dp"):
+        T.clear(dP)
+        gemm(V_s, dO_s, dP, transpose_B=True, policy=full)
+    with T.ws_op("p"):
+        if consumers:
+            T.wait_wgmma(1)
+        # Selects, not products: a hidden pair's exp2 may be inf (LSE -inf: the query sees no
+        # key) and the rows past the tensors hold whatever the loads left.
+        for i, j in T.Parallel(S.shape[0], S.shape[1]):
+            S[i, j] = T.if_then_else(_seen(q0 + j, k0 + i, seqlen_q, seqlen_kv, causal),
+                                     T.exp2(S[i, j] * (scale * LOG2E) - lse[j]), 0)
+        T.copy(S, P)
+    gemm(P, dO_s, dv, policy=full, annotations={T.WSID: "dv"})
+    with T.ws_op("ds"):
+        if consumers:
+            T.wait_wgmma(1)
+        for i, j in T.Parallel(S.shape[0], S.shape[1]):
+            dS[i, j] = T.if_then_else(_seen(q0 + j, k0 + i, seqlen_q, seqlen_kv, causal),
+                                      S[i, j] * (dP[i, j] - delta[j]) * scale, 0)
+    gemm(dS, Q_s, dk, policy=full, annotations={T.WSID: "dk"})
+    with T.ws_op("store_ds"):
+        if consumers:
+            T.sync_threads(_DS_BARRIER, consumers)  # the last step's dQ product is done
+        T.copy(dS, dS_s)
+        if consumers:
+            T.fence_proxy_async()  # the generic-proxy stores, before wgmma reads dS_s
+            T.sync_threads(_DS_BARRIER, consumers)
+    with T.ws_op("dq"):
+        T.clear(dq)
+        gemm(dS_s, K_s, dq, transpose_A=True)
+        if consumers:
+            T.wait_wgmma(0)
+    with T.ws_op("store_dq"):
+        T.copy(dq, dQ_s)
+        T.atomic_add(dQ_acc[b, q_head, q0:q0 + S.shape[1], :], dQ_s, use_tma=True)
+
+
+def _ws_schedule(consumer_warps: int, K_s, V_s, Q_s, lse, dO_s, delta, num_stages: int):
+    """The main kernel warp-specialised by hand: a producer warp loads K and V once and each
+    query block's Q, LSE, dO and Delta through `num_stages` buffers; each buffer goes back to it
+    only after the wait that ends its last product (TileLang's automatic warp specialisation
+    would release it before an asynchronous product's wait)."""
+    return T.WSSchedule(
+        num_warps=4 + consumer_warps,
+        roles=[T.WSRole("Producer", warps_lo=0, warps_hi=1, max_nreg=24),
+               T.WSRole("Consumer", warps_lo=4, warps_hi=4 + consumer_warps, max_nreg=240)],
+        pipelines=[T.WSPipeline("kv", [K_s, V_s], depth=1),
+                   T.WSPipeline("q", [Q_s, lse], depth=num_stages),
+                   T.WSPipeline("do", [dO_s, delta], depth=num_stages)],
+        scopes=[
+            T.WSScope("steps", {
+                "Producer": [T.WSSync.producer_acquire("q"), "load_q", "load_lse",
+                             T.WSSync.producer_commit("q"), T.WSSync.producer_acquire("do"),
+                             "load_do", "load_delta", T.WSSync.producer_commit("do")],
+                "Consumer": [T.WSSync.consumer_wait("q"), "s", T.WSSync.consumer_wait("do"),
+                             "dp", "p", "dv", "ds", "dk", "store_ds", "dq",
+                             T.WSSync.consumer_release("q"), T.WSSync.consumer_release("do"),
+                             "store_dq"],
+            }),
+            T.WSScope(T.WSScope.ROOT, {
+                "Producer": [T.WSSync.producer_acquire("kv"), "load_k", "load_v",
+                             T.WSSync.producer_commit("kv"), "steps"],
+                "Consumer": ["init", T.WSSync.consumer_wait("kv"), "steps", "final",
+                             T.WSSync.consumer_release("kv")],
+            }),
+        ])
+
+
+def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype: str, *,
+                block_M: int, block_N: int, num_stages: int, threads: int, overlap: int = 0):
+    """The GPU program: wgmma for the five products on sm_90a, the query-block loads (Q, dO, LSE,
+    Delta) pipelined over `num_stages` buffers, the dQ reduce-add through TMA; `overlap` 1
+    warp-specialised by hand with asynchronous products (`_ws_schedule`)."""
+    batch, seqlen_q, seqlen_kv = T.dynamic("batch"), T.dynamic("seqlen_q"), T.dynamic("seqlen_kv")
+    group = heads_q // heads_kv
+    D = head_dim
+    scale = D ** -0.5
+    q_shape = (batch, seqlen_q, heads_q, D)
+    kv_shape = (batch, seqlen_kv, heads_kv, D)
+    rows = (batch, heads_q, seqlen_q)
+    stats = (batch, heads_q, T.dynamic("rows"))  # rows >= seqlen_q
+    acc_shape = (batch, heads_q, seqlen_q, D)
+
+    @T.prim_func
+    def attention_backward(Q: T.Tensor(q_shape, dtype), K: T.Tensor(kv_shape, dtype),
+                           V: T.Tensor(kv_shape, dtype), O: T.Tensor(q_shape, dtype),
+                           dO: T.Tensor(q_shape, dtype), LSE: T.Tensor(rows, ACCUM),
+                           dLSE: T.Tensor(rows, ACCUM), LSE2: T.Tensor(stats, ACCUM),
+                           Delta: T.Tensor(stats, ACCUM), dQ_acc: T.Tensor(acc_shape, ACCUM),
+                           dQ: T.Tensor(q_shape, dtype), dK: T.Tensor(kv_shape, dtype),
+                           dV: T.Tensor(kv_shape, dtype)):
+        with T.Kernel(T.ceildiv(seqlen_q, DELTA_ROWS), heads_q, batch, threads=128) as (
+                bx, head, b):
+            o = T.alloc_fragment((DELTA_ROWS, D), dtype)
+            do = T.alloc_fragment((DELTA_ROWS, D), dtype)
+            prod = T.alloc_fragment((DELTA_ROWS, D), ACCUM)
+            delta = T.alloc_fragment((DELTA_ROWS,), ACCUM)
+            r0 = bx * DELTA_ROWS
+            T.copy(O[b, r0:r0 + DELTA_ROWS, head, :], o)
+            T.copy(dO[b, r0:r0 + DELTA_ROWS, head, :], do)
+            for i, d in T.Parallel(DELTA_ROWS, D):
+                prod[i, d] = T.cast(o[i, d], ACCUM) * T.cast(do[i, d], ACCUM)
+            T.reduce_sum(prod, delta, dim=1)
+            for i in T.Parallel(DELTA_ROWS):
+                if r0 + i < seqlen_q:
+                    Delta[b, head, r0 + i] = delta[i] - dLSE[b, head, r0 + i]
+                    LSE2[b, head, r0 + i] = LSE[b, head, r0 + i] * LOG2E
+            T.clear(prod)
+            T.copy(prod, dQ_acc[b, head, r0:r0 + DELTA_ROWS, :])
+
+        with T.Kernel(T.ceildiv(seqlen_kv, block_N), heads_kv, batch, threads=threads) as (
+                bx, kv_head, b):
+            K_s = T.alloc_shared((block_N, D), dtype)
+            V_s = T.alloc_shared((block_N, D), dtype)
+            Q_s = T.alloc_shared((block_M, D), dtype)
+            dO_s = T.alloc_shared((block_M, D), dtype)
+            dS_s = T.alloc_shared((block_N, block_M), dtype)
+            dQ_s = T.alloc_shared((block_M, D), ACCUM)
+            lse = T.alloc_shared((block_M,), ACCUM)
+            delta = T.alloc_shared((block_M,), ACCUM)
+            S = T.alloc_fragment((block_N, block_M), ACCUM)  # S^T, then P^T
+            dP = T.alloc_fragment((block_N, block_M), ACCUM)  # dP^T
+            P = T.alloc_fragment((block_N, block_M), dtype)
+            dS = T.alloc_fragment((block_N, block_M), dtype)
+            dk = T.alloc_fragment((block_N, D), ACCUM)
+            dv = T.alloc_fragment((block_N, D), ACCUM)
+            dq = T.alloc_fragment((block_M, D), ACCUM)
+            if overlap:
+                T.annotate_ws_schedule(_ws_schedule(threads // 32, K_s, V_s, Q_s, lse, dO_s,
+                                                    delta, num_stages))
+            k0 = bx * block_N
+            first = _first_query(k0, block_M, seqlen_q, seqlen_kv, causal)
+            steps = T.ceildiv(seqlen_q, block_M) - first  # >= 1: the last query sees every key
+            T.copy(K[b, k0:k0 + block_N, kv_head, :], K_s, annotations={T.WSID: "load_k"})
+            T.copy(V[b, k0:k0 + block_N, kv_head, :], V_s, annotations={T.WSID: "load_v"})
+            with T.ws_op("init"):
+                T.clear(dk)
+                T.clear(dv)
+            for it in T.Pipelined(group * steps, num_stages=num_stages,
+                                  annotations={T.WSID: "steps"}):
+                q_head = kv_head * group + it // steps
+                q0 = (first + it % steps) * block_M
+                T.copy(Q[b, q0:q0 + block_M, q_head, :], Q_s, annotations={T.WSID: "load_q"})
+                T.copy(LSE2[b, q_head, q0:q0 + block_M], lse,
+                       annotations={T.WSID: "load_lse"})
+                T.copy(dO[b, q0:q0 + block_M, q_head, :], dO_s,
+                       annotations={T.WSID: "load_do"})
+                T.copy(Delta[b, q_head, q0:q0 + block_M], delta,
+                       annotations={T.WSID: "load_delta"})
+                _step(K_s, V_s, Q_s, dO_s, dS_s, dQ_s, lse, delta, S, dP, P, dS, dk, dv, dq,
+                      dQ_acc, b, q_head, q0, k0, seqlen_q, seqlen_kv, causal, scale,
+                      threads if overlap else 0)
+            with T.ws_op("final"):
+                # K and V are read no more: their tiles stage dK and dV for the stores.
+                T.copy(dk, K_s)
+                T.copy(dv, V_s)
+                T.copy(K_s, dK[b, k0:k0 + block_N, kv_head, :])
+                T.copy(V_s, dV[b, k0:k0 + block_N, kv_head, :])
+
+        with T.Kernel(T.ceildiv(seqlen_q, DELTA_ROWS), heads_q, batch, threads=128) as (
+                bx, head, b):
+            acc = T.alloc_fragment((DELTA_ROWS, D), ACCUM)
+            out = T.alloc_fragment((DELTA_ROWS, D), dtype)
+            r0 = bx * DELTA_ROWS
+            T.copy(dQ_acc[b, head, r0:r0 + DELTA_ROWS, :], acc)
+            T.copy(acc, out)
+            T.copy(out, dQ[b, r0:r0 + DELTA_ROWS, head, :])
+
+    return attention_backward
+
+
+def cpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype: str, *,
+                block_M: int, block_N: int):
+    """The CPU form of the same three kernels for TileLang's C target: fp32 local tiles, scalar
+    loops for the products. The C target runs a kernel's instances one after another, so dQ is
+    accumulated with plain adds."""
+    batch, seqlen_q, seqlen_kv = TC.dynamic("batch"), TC.dynamic("seqlen_q"), \
+        TC.dynamic("seqlen_kv")
+    group = heads_q // heads_kv
+    D = head_dim
+    scale = D ** -0.5
+    q_shape = (batch, seqlen_q, heads_q, D)
+    kv_shape = (batch, seqlen_kv, heads_kv, D)
+    rows = (batch, heads_q, seqlen_q)
+    stats = (batch, heads_q, TC.dynamic("rows"))
+    acc_shape = (batch, heads_q, seqlen_q, D)
+    io = bits(dtype)
+
+    @TC.prim_func
+    def attention_backward(Q: TC.Tensor(q_shape, io), K: TC.Tensor(kv_shape, io),
+                           V: TC.Tensor(kv_shape, io), O: TC.Tensor(q_shape, io),
+                           dO: TC.Tensor(q_shape, io), LSE: TC.Tensor(rows, ACCUM),
+                           dLSE: TC.Tensor(rows, ACCUM), LSE2: TC.Tensor(stats, ACCUM),
+                           Delta: TC.Tensor(stats, ACCUM), dQ_acc: TC.Tensor(acc_shape, ACCUM),
+                           dQ: TC.Tensor(q_shape, io), dK: TC.Tensor(kv_shape, io),
+                           dV: TC.Tensor(kv_shape, io)):
+        with TC.Kernel(seqlen_q, heads_q, batch) as (row, head, b):
+            total = TC.alloc_local((1,), ACCUM)
+            total[0] = 0.0
+            for d in TC.serial(D):
+                total[0] += to_f32(O[b, row, head, d], dtype) * to_f32(dO[b, row, head, d], dtype)
+                dQ_acc[b, head, row, d] = 0.0
+            Delta[b, head, row] = total[0] - dLSE[b, head, row]
+            LSE2[b, head, row] = LSE[b, head, row] * LOG2E
+
+        with TC.Kernel(TC.ceildiv(seqlen_kv, block_N), heads_kv, batch) as (bx, kv_head, b):
+            k = TC.alloc_local((block_N, D), ACCUM)
+            v = TC.alloc_local((block_N, D), ACCUM)
+            dk = TC.alloc_local((block_N, D), ACCUM)
+            dv = TC.alloc_local((block_N, D), ACCUM)
+            q = TC.alloc_local((block_M, D), ACCUM)
+            do = TC.alloc_local((block_M, D), ACCUM)
+            p = TC.alloc_local((block_N, block_M), ACCUM)
+            ds = TC.alloc_local((block_N, block_M), ACCUM)
+            k0 = bx * block_N
+            for i, d in TC.grid(block_N, D):
+                k[i, d] = TC.if_then_else(k0 + i < seqlen_kv, to_f32(K[b, k0 + i, kv_head, d],
+                                                                     dtype), 0.0)
+                v[i, d] = TC.if_then_else(k0 + i < seqlen_kv, to_f32(V[b, k0 + i, kv_head, d],
+                                                                     dtype), 0.0)
+                dk[i, d] = 0.0
+                dv[i, d] = 0.0
+            first = _first_query(k0, block_M, seqlen_q, seqlen_kv, causal)
+            for g, qb in TC.grid(group, TC.ceildiv(seqlen_q, block_M) - first):
+                q_head = kv_head * group + g
+                q0 = (first + qb) * block_M
+                for j, d in TC.grid(block_M, D):
+                    q[j, d] = TC.if_then_else(q0 + j < seqlen_q, to_f32(Q[b, q0 + j, q_head, d],
+                                                                        dtype), 0.0)
+                    do[j, d] = TC.if_then_else(q0 + j < seqlen_q, to_f32(dO[b, q0 + j, q_head, d],
+                                                                         dtype), 0.0)
+                for i, j in TC.grid(block_N, block_M):
+                    if _seen(q0 + j, k0 + i, seqlen_q, seqlen_kv, causal):
+                        p[i, j] = 0.0
+                        ds[i, j] = 0.0
+                        for d in TC.serial(D):
+                            p[i, j] += k[i, d] * q[j, d]
+                            ds[i, j] += v[i, d] * do[j, d]  # dP^T until the line below
+                        p[i, j] = TC.exp2(p[i, j] * (scale * LOG2E) - LSE2[b, q_head, q0 + j])
+                        ds[i, j] = p[i, j] * (ds[i, j] - Delta[b, q_head, q0 + j]) * scale
+                    else:
+                        p[i, j] = 0.0
+                        ds[i, j] = 0.0
+                for i, j, d in TC.grid(block_N, block_M, D):
+                    dv[i, d] += p[i, j] * do[j, d]
+                    dk[i, d] += ds[i, j] * q[j, d]
+                for j, i, d in TC.grid(block_M, block_N, D):
+                    if q0 + j < seqlen_q:
+                        dQ_acc[b, q_head, q0 + j, d] += ds[i, j] * k[i, d]
+            for i, d in TC.grid(block_N, D):
+                if k0 + i < seqlen_kv:
+                    dK[b, k0 + i, kv_head, d] = from_f32(dk[i, d], dtype)
+                    dV[b, k0 + i, kv_head, d] = from_f32(dv[i, d], dtype)
+
+        with TC.Kernel(seqlen_q, heads_q, batch) as (row, head, b):
+            for d in TC.serial(D):
+                dQ[b, row, head, d] = from_f32(dQ_acc[b, head, row, d], dtype)
+
+    return attention_backward
