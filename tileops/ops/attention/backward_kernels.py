@@ -54,8 +54,9 @@ _DS_BARRIER = 9
 
 
 @T.macro
-def _step(K_s, V_s, Q_s, dO_s, dS_s, dQ_s, lse, delta, S, dP, P, dS, dk, dv, dq, dQ_acc, b,
-          q_head, q0, k0, seqlen_q, seqlen_kv, causal: bool, scale: float, consumers: int):
+def _step(K_s, V_s, Q_s, dO_s, dS_s, dQ_s, lse, delta, lse_f, delta_f, S, dP, P, dS, dk, dv, dq,
+          dQ_acc, b, q_head, q0, k0, seqlen_q, seqlen_kv, causal: bool, scale: float,
+          consumers: int):
     """One query block of the main kernel: the five products and dQ's reduce-add.
 
     `consumers` 0: each product waits for itself (TileLang's warp specialisation). Otherwise the
@@ -69,26 +70,37 @@ def _step(K_s, V_s, Q_s, dO_s, dS_s, dQ_s, lse, delta, S, dP, P, dS, dk, dv, dq,
     with T.ws_op("dp"):
         T.clear(dP)
         gemm(V_s, dO_s, dP, transpose_B=True, policy=full)
+    block_N, block_M = S.shape
     with T.ws_op("p"):
         if consumers:
             T.wait_wgmma(1)
-        # Selects, not products: a hidden pair's exp2 may be inf (LSE -inf: the query sees no
-        # key) and the rows past the tensors hold whatever the loads left.
-        for i, j in T.Parallel(S.shape[0], S.shape[1]):
-            S[i, j] = T.if_then_else(_seen(q0 + j, k0 + i, seqlen_q, seqlen_kv, causal),
-                                     T.exp2(S[i, j] * (scale * LOG2E) - lse[j]), 0)
+        T.copy(lse, lse_f)  # a column's value once per thread, not once per element
+        if _whole(q0, k0, block_M, block_N, seqlen_q, seqlen_kv, causal):
+            for i, j in T.Parallel(block_N, block_M):
+                S[i, j] = T.exp2(S[i, j] * (scale * LOG2E) - lse_f[j])
+        else:
+            # Selects, not products: a hidden pair's exp2 may be inf (LSE -inf: the query sees
+            # no key) and the rows past the tensors hold whatever the loads left.
+            for i, j in T.Parallel(block_N, block_M):
+                S[i, j] = T.if_then_else(_seen(q0 + j, k0 + i, seqlen_q, seqlen_kv, causal),
+                                         T.exp2(S[i, j] * (scale * LOG2E) - lse_f[j]), 0)
         T.copy(S, P)
     gemm(P, dO_s, dv, policy=full, annotations={T.WSID: "dv"})
     with T.ws_op("ds"):
         if consumers:
             T.wait_wgmma(1)
-        for i, j in T.Parallel(S.shape[0], S.shape[1]):
-            dS[i, j] = T.if_then_else(_seen(q0 + j, k0 + i, seqlen_q, seqlen_kv, causal),
-                                      S[i, j] * (dP[i, j] - delta[j]) * scale, 0)
+        T.copy(delta, delta_f)
+        if _whole(q0, k0, block_M, block_N, seqlen_q, seqlen_kv, causal):
+            for i, j in T.Parallel(block_N, block_M):
+                dS[i, j] = S[i, j] * (dP[i, j] - delta_f[j]) * scale
+        else:
+            for i, j in T.Parallel(block_N, block_M):
+                dS[i, j] = T.if_then_else(_seen(q0 + j, k0 + i, seqlen_q, seqlen_kv, causal),
+                                          S[i, j] * (dP[i, j] - delta_f[j]) * scale, 0)
     gemm(dS, Q_s, dk, policy=full, annotations={T.WSID: "dk"})
     with T.ws_op("store_ds"):
-        if consumers:
-            T.sync_threads(_DS_BARRIER, consumers)  # the last step's dQ product is done
+        # (TileLang puts a barrier of the consumers before these stores: the last step's dQ
+        # product, which read dS_s, is done.)
         T.copy(dS, dS_s)
         if consumers:
             T.fence_proxy_async()  # the generic-proxy stores, before wgmma reads dS_s
@@ -132,6 +144,14 @@ def _ws_schedule(consumer_warps: int, K_s, V_s, Q_s, lse, dO_s, delta, num_stage
                              T.WSSync.consumer_release("kv")],
             }),
         ])
+
+
+def _whole(q0, k0, block_M: int, block_N: int, seqlen_q, seqlen_kv, causal: bool):
+    """Whether every (query, key) pair of a block is inside the tensors and unmasked."""
+    inside = T.And(q0 + block_M <= seqlen_q, k0 + block_N <= seqlen_kv)
+    if causal:  # the block's first query sees its last key
+        return T.And(inside, k0 + block_N - 1 <= q0 + seqlen_kv - seqlen_q)
+    return inside
 
 
 def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype: str, *,
@@ -193,6 +213,8 @@ def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
             dk = T.alloc_fragment((block_N, D), ACCUM)
             dv = T.alloc_fragment((block_N, D), ACCUM)
             dq = T.alloc_fragment((block_M, D), ACCUM)
+            lse_f = T.alloc_fragment((block_M,), ACCUM)
+            delta_f = T.alloc_fragment((block_M,), ACCUM)
             if overlap:
                 T.annotate_ws_schedule(_ws_schedule(threads // 32, K_s, V_s, Q_s, lse, dO_s,
                                                     delta, num_stages))
@@ -215,8 +237,8 @@ def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
                        annotations={T.WSID: "load_do"})
                 T.copy(Delta[b, q_head, q0:q0 + block_M], delta,
                        annotations={T.WSID: "load_delta"})
-                _step(K_s, V_s, Q_s, dO_s, dS_s, dQ_s, lse, delta, S, dP, P, dS, dk, dv, dq,
-                      dQ_acc, b, q_head, q0, k0, seqlen_q, seqlen_kv, causal, scale,
+                _step(K_s, V_s, Q_s, dO_s, dS_s, dQ_s, lse, delta, lse_f, delta_f, S, dP, P, dS,
+                      dk, dv, dq, dQ_acc, b, q_head, q0, k0, seqlen_q, seqlen_kv, causal, scale,
                       threads if overlap else 0)
             with T.ws_op("final"):
                 # K and V are read no more: their tiles stage dK and dV for the stores.
