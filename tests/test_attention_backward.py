@@ -1,8 +1,11 @@
 """The backward of flash_attention: gradients against a float64 reference (GQA, causal with either
 length longer, the lse's gradient, a softmax scale), autograd and torch.compile wiring, the
-checks of bad arguments, and (marked `gpu`) the sm_90 kernel with NaN-filled outputs."""
+checks of bad arguments, and (marked `gpu`) the sm_90 kernel with NaN-filled outputs; and the
+backward of flash_attention_varlen (CPU only so far)."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -12,8 +15,9 @@ from test_codegen import A100, H200
 import tileops
 from tileops import dispatch
 from tileops.dispatch import DISPATCHER, lower
-from tileops.ops.attention import ATTENTION_BACKWARD
+from tileops.ops.attention import ATTENTION_BACKWARD, ATTENTION_VARLEN_BACKWARD
 from tileops.ops.attention.backward import attention_grads
+from tileops.ops.attention.varlen_backward import per_sequence_grads
 
 CPU = torch.device("cpu")
 
@@ -186,3 +190,75 @@ def test_cuda_head_dim_256_is_refused_clearly():
     out = tileops.flash_attention(q, k, v)
     with pytest.raises(NotImplementedError, match="head_dim 256 has no CUDA kernel"):
         out.sum().backward()
+
+
+# ---- flash_attention_varlen ---------------------------------------------------------------------
+
+def packed(lengths_q, lengths_kv, Hq, Hkv, D, dtype, device, spare_keys=0, seed=0):
+    """Packed leaves, with `spare_keys` key rows after the last sequence (no sequence's)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q, k, v = (torch.randn(n, H, D, generator=gen, device=device).to(dtype).requires_grad_()
+               for n, H in ((sum(lengths_q), Hq), (sum(lengths_kv) + spare_keys, Hkv),
+                            (sum(lengths_kv) + spare_keys, Hkv)))
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device=device)
+                  for n in (lengths_q, lengths_kv))
+    return q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_kv)
+
+
+VARLEN_CASES = [  # (query lengths, key lengths, heads_q, heads_kv, causal)
+    ([37, 1, 70, 5], [37, 1, 70, 5], 4, 2, True),   # GQA, a one-token sequence
+    ([3, 40], [50, 41], 2, 1, False),               # fewer queries than keys
+    ([40, 9, 0], [10, 0, 3], 2, 2, True),           # rows that see no key, an empty sequence
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("lq", "lkv", "Hq", "Hkv", "causal"), VARLEN_CASES)
+def test_varlen_cpu_gradients_match_float64(lq, lkv, Hq, Hkv, causal, dtype):
+    q, k, v, cu_q, cu_k, mq, mk = packed(lq, lkv, Hq, Hkv, 64, dtype, CPU, spare_keys=3,
+                                         seed=sum(lq))
+    out, lse = tileops.flash_attention_varlen(q, k, v, cu_q, cu_k, mq, mk, causal=causal,
+                                              softmax_scale=0.2, return_lse=True)
+    gen = torch.Generator().manual_seed(1)
+    g = torch.randn(out.shape, generator=gen).to(dtype)
+    h = torch.randn(lse.shape, generator=gen).masked_fill(torch.isinf(lse), 0.0)
+    loss = (out.float() * g.float()).sum() + (lse.masked_fill(torch.isinf(lse), 0) * h).sum()
+    got = torch.autograd.grad(loss, (q, k, v))
+    ref = per_sequence_grads(q.detach(), k.detach(), v.detach(), cu_q, cu_k, g, causal, 0.2,
+                             torch.float64, h)
+    tol = 1e-5 if dtype is torch.float32 else 1e-2
+    for name, a, r in zip(("dq", "dk", "dv"), got, ref, strict=True):
+        assert a.dtype is dtype and rel_error(a, r) < tol, name
+    assert not got[1][-3:].any() and not got[2][-3:].any()  # the spare keys: zero gradients
+
+
+def test_varlen_gradients_under_torch_compile():
+    q, k, v, cu_q, cu_k, mq, mk = packed([20, 13], [20, 13], 4, 2, 64, torch.float32, CPU)
+
+    def layer(q, k, v):
+        return tileops.flash_attention_varlen(q, k, v, cu_q, cu_k, mq, mk, causal=True).sum()
+
+    got = torch.autograd.grad(torch.compile(layer, fullgraph=True)(q, k, v), (q, k, v))
+    want = torch.autograd.grad(layer(q, k, v), (q, k, v))
+    for g, w in zip(got, want, strict=True):
+        assert rel_error(g, w) < 1e-6
+
+
+def test_varlen_backward_refuses_bad_results():
+    q, k, v, cu_q, cu_k, mq, mk = (t.detach() if torch.is_tensor(t) else t
+                                   for t in packed([5, 7], [5, 7], 2, 2, 64, torch.float32, CPU))
+    out, lse = tileops.flash_attention_varlen(q, k, v, cu_q, cu_k, mq, mk, return_lse=True)
+    args = (q, k, v, cu_q, cu_k, mq, mk)
+    with pytest.raises(ValueError, match=r"lse must be shaped \(2, 12\)"):
+        ATTENTION_VARLEN_BACKWARD.prepare(*args, out, out, lse.t())
+    with pytest.raises(TypeError, match="out and grad_out must have q's dtype"):
+        ATTENTION_VARLEN_BACKWARD.prepare(*args, out, out.double(), lse)
+
+
+@pytest.mark.gpu
+def test_varlen_cuda_refuses_inputs_that_require_grad():
+    """No CUDA kernel for the packed backward yet: the forward says so, not the backward."""
+    q, k, v, cu_q, cu_k, mq, mk = packed([5, 7], [5, 7], 2, 2, 64, torch.bfloat16,
+                                         torch.device("cuda"))
+    with pytest.raises(RuntimeError, match="on cuda has no backward: q requires grad"):
+        tileops.flash_attention_varlen(q, k, v, cu_q, cu_k, mq, mk)

@@ -41,17 +41,16 @@ def one_line(err: str) -> bool:
 # ---- gradients ----------------------------------------------------------------------------------
 def _calls():
     """Each operator without a backward: its Python call and custom op, with inputs (a floating
-    one requires grad). GEMM and dense attention have one (test_gemm_autograd.py,
-    test_attention_backward.py)."""
+    one requires grad). GEMM and attention over dense and packed batches have one
+    (test_gemm_autograd.py, test_attention_backward.py)."""
     a, w = torch.randn(4, 64), torch.randn(64, 64)
-    q = torch.randn(4, 2, 64)
-    cu = torch.tensor([0, 4], dtype=torch.int32)
+    q, cache = torch.randn(1, 4, 2, 64), torch.randn(1, 16, 2, 64)
     mq, kv = torch.randn(1, 1, 16, 576), torch.randn(2, 64, 1, 576)
     table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
     w_fp4, w_scale = tileops.quantize_mxfp4(w)
     return [
-        (tileops.flash_attention_varlen, torch.ops.tileops.attention_varlen,
-         (q, q.clone(), q.clone(), cu, cu, 4, 4)),
+        (tileops.flash_attention_with_kvcache, torch.ops.tileops.attention_paged,
+         (q, cache, cache.clone(), lens * 4, table)),
         (tileops.mxfp4_gemm, torch.ops.tileops.mxfp4_gemm, (a.bfloat16(), w_fp4, w_scale)),
         (tileops.mla_decode, torch.ops.tileops.mla_decode, (mq, kv, table, lens)),
     ]
@@ -70,12 +69,13 @@ def test_an_input_that_requires_grad_is_refused(index, which):
 
 
 def test_requires_grad_is_refused_inside_torch_compile():
-    q = torch.randn(4, 2, 64, requires_grad=True)
-    kv = torch.randn(4, 2, 64)
-    cu = torch.tensor([0, 4], dtype=torch.int32)
-    compiled = torch.compile(lambda q: tileops.flash_attention_varlen(q, kv, kv, cu, cu, 4, 4),
-                             fullgraph=True)
-    with pytest.raises(Exception, match="attention_varlen has no backward: q requires grad"):
+    q = torch.randn(1, 4, 2, 64, requires_grad=True)
+    cache = torch.randn(1, 16, 2, 64)
+    table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.full((1,), 4, dtype=torch.int32)
+    compiled = torch.compile(
+        lambda q: tileops.flash_attention_with_kvcache(q, cache, cache, lens, table),
+        fullgraph=True)
+    with pytest.raises(Exception, match="attention_paged has no backward: q requires grad"):
         compiled(q)  # the fake implementation refuses it while tracing
 
 

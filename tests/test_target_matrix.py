@@ -47,6 +47,7 @@ PROBLEMS = {
     "attention": ("1x128x128x32x8x128:causal", "bfloat16"),
     "attention_backward": ("1x128x128x32x8x128:causal", "bfloat16"),
     "attention_varlen": ("128x128x32x8x128:causal", "bfloat16"),
+    "attention_varlen_backward": ("128x128x32x8x128:causal", "bfloat16"),
     "attention_paged": ("1x128x256x32x8x128x128:causal", "bfloat16"),
     "mla_decode": ("B1xS128xH16", "bfloat16"),
 }
@@ -60,6 +61,7 @@ MATRIX = {
     "attention":  (LOWERS, LOWERS,  LOWERS,  REFUSED, REFUSED),
     "attention_varlen": (LOWERS, REFUSED, REFUSED, REFUSED, REFUSED),  # TMA, async wgmma: sm_90
     "attention_backward": (LOWERS, REFUSED, REFUSED, REFUSED, REFUSED),  # TMA reduce-add: sm_90
+    "attention_varlen_backward": (REFUSED,) * 5,  # a CPU kernel only so far
     "attention_paged": (LOWERS, REFUSED, REFUSED, REFUSED, REFUSED),
     "mla_decode": (LOWERS, REFUSED, REFUSED, REFUSED, REFUSED),
 }

@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 from ..spec import OpSpec
-from .attention import ATTENTION, ATTENTION_BACKWARD, ATTENTION_PAGED, ATTENTION_VARLEN
+from .attention import (
+    ATTENTION,
+    ATTENTION_BACKWARD,
+    ATTENTION_PAGED,
+    ATTENTION_VARLEN,
+    ATTENTION_VARLEN_BACKWARD,
+)
 from .gemm import GEMM
 from .mla import MLA_DECODE
 from .mxfp4 import MXFP4_GEMM, MXFP4_GEMM_PACKED
 
 SPECS: dict[str, OpSpec] = {spec.name: spec for spec in (GEMM, MXFP4_GEMM, MXFP4_GEMM_PACKED,
                                                           ATTENTION, ATTENTION_BACKWARD,
-                                                          ATTENTION_VARLEN, ATTENTION_PAGED,
-                                                          MLA_DECODE)}
+                                                          ATTENTION_VARLEN,
+                                                          ATTENTION_VARLEN_BACKWARD,
+                                                          ATTENTION_PAGED, MLA_DECODE)}
 
 
 def get_spec(name: str) -> OpSpec:

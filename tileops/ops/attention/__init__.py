@@ -9,10 +9,20 @@ import torch
 
 from ...dispatch import DISPATCHER
 from ...library import register
+from ...target import target_of
 from .backward import ATTENTION_BACKWARD, AttentionBackwardSpec
 from .paged import ATTENTION_PAGED, AttentionPagedSpec, PagedProblem
 from .spec import ATTENTION, AttentionProblem, AttentionSpec
 from .varlen import ATTENTION_VARLEN, AttentionVarlenSpec, VarlenProblem
+from .varlen_backward import ATTENTION_VARLEN_BACKWARD, AttentionVarlenBackwardSpec
+
+
+def _differentiated(spec, *tensors) -> bool:
+    """Whether a call needs its graph: grad mode on, an input requiring grad, and a backward
+    kernel for the device (elsewhere the forward's checks refuse such inputs)."""
+    return (torch.is_grad_enabled()
+            and any(getattr(t, "requires_grad", False) for t in tensors)
+            and spec.unsupported_reason(target_of(tensors[0].device)) is None)
 
 
 def _fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -81,8 +91,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     op, whose backward (dq, dk, dv, in the inputs' dtype; the lse's gradient included) is the
     tuned `attention_backward` kernel (sm_90 and the CPU), also under `torch.compile`.
     """
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(
-            getattr(t, "requires_grad", False) for t in (q, k, v))):
+    if torch.compiler.is_compiling() or _differentiated(ATTENTION_BACKWARD, q, k, v):
         out, lse = _op(q, k, v, causal, softmax_scale)
     else:
         out, lse = DISPATCHER(ATTENTION, q, k, v, causal, softmax_scale)
@@ -97,11 +106,50 @@ def _fake_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
+def _fake_varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                          max_seqlen_q: int, max_seqlen_k: int, out: torch.Tensor,
+                          grad_out: torch.Tensor, lse: torch.Tensor, causal: bool = False,
+                          softmax_scale: float | None = None,
+                          grad_lse: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+_varlen_backward_op = register(
+    ATTENTION_VARLEN_BACKWARD,
+    "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
+    "int max_seqlen_k, Tensor out, Tensor grad_out, Tensor lse, bool causal=False, "
+    "float? softmax_scale=None, Tensor? grad_lse=None) -> (Tensor, Tensor, Tensor)",
+    _fake_varlen_backward)
+
+
+def _setup_varlen(ctx, inputs, output) -> None:
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, _ = inputs
+    ctx.save_for_backward(q, k, v, cu_q, cu_k, *output)
+    ctx.sizes, ctx.causal, ctx.softmax_scale = (max_q, max_k), causal, softmax_scale
+
+
+def _backward_varlen(ctx, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None):
+    """dq, dk, dv through the `attention_varlen_backward` operator (the forward validated the
+    offsets, or was told not to)."""
+    q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    args = (q, k, v, cu_q, cu_k, *ctx.sizes, out, grad_out.to(out.dtype), lse, ctx.causal,
+            ctx.softmax_scale, grad_lse)
+    if torch.compiler.is_compiling():
+        grads = _varlen_backward_op(*args)
+    else:
+        grads = DISPATCHER(ATTENTION_VARLEN_BACKWARD, *args)
+    return (*grads, *(None,) * 7)
+
+
 _varlen_op = register(ATTENTION_VARLEN,
                       "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
                       "int max_seqlen_q, int max_seqlen_k, bool causal=False, "
                       "float? softmax_scale=None, bool validate=True) -> (Tensor, Tensor)",
-                      _fake_varlen)
+                      _fake_varlen, autograd=(_setup_varlen, _backward_varlen))
 
 
 def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -122,6 +170,8 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     are as in `flash_attention`. CUDA needs sm_90.
 
     Returns the output like q and with `return_lse` the fp32 log-sum-exp (heads_q, tokens_q).
+    Differentiable on the CPU (the `attention_varlen_backward` kernel); on CUDA an input that
+    requires grad is refused, the packed backward having no CUDA kernel yet.
 
     `validate` (the default) checks the offsets against the tensors and the max lengths, with one
     read of them back to the host, and raises a ValueError naming the bad entry. Inside CUDA-graph
@@ -130,7 +180,7 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
             softmax_scale, validate)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _differentiated(ATTENTION_VARLEN_BACKWARD, q, k, v):
         out, lse = _varlen_op(*args)
     else:
         out, lse = DISPATCHER(ATTENTION_VARLEN, *args)
@@ -186,6 +236,7 @@ def flash_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache
 
 
 __all__ = ["ATTENTION", "ATTENTION_BACKWARD", "ATTENTION_PAGED", "ATTENTION_VARLEN",
-           "AttentionBackwardSpec", "AttentionPagedSpec", "AttentionProblem", "AttentionSpec",
+           "ATTENTION_VARLEN_BACKWARD", "AttentionBackwardSpec", "AttentionPagedSpec",
+           "AttentionProblem", "AttentionSpec", "AttentionVarlenBackwardSpec",
            "AttentionVarlenSpec", "PagedProblem", "VarlenProblem", "flash_attention",
            "flash_attention_varlen", "flash_attention_with_kvcache"]

@@ -33,7 +33,6 @@ from .spec import (
     AttentionSpec,
     _attention,
     _future,
-    _visible_pairs,
     key_lengths,
 )
 
@@ -130,6 +129,7 @@ class AttentionBackwardSpec(AttentionSpec):
     baseline_name = "cuDNN SDPA backward (torch autograd through SDPA where cuDNN cannot run it)"
     kernel_module = backward_kernels.__name__
     backends = BACKENDS
+    products = 5  # S, dP, dV, dK, dQ (FlashAttention's count: 2.5x the forward's FLOPs)
     unsupported = {"metal": _NO_METAL, **{f"cuda:sm_{major}": _BEFORE_SM90 for major in "78"}}
 
     def prepare(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -245,11 +245,6 @@ class AttentionBackwardSpec(AttentionSpec):
         scale = inputs[7] if len(inputs) > 7 and inputs[7] is not None else q.shape[3] ** -0.5
         grad_lse = inputs[8] if len(inputs) > 8 else None
         return attention_grads(q, k, v, grad_out, causal, scale, torch.float64, grad_lse)
-
-    def flops(self, problem: AttentionProblem) -> float:
-        """Five products of the forward's two sizes (FlashAttention's count: 2.5x forward)."""
-        B, Sq, Skv, Hq, _, D, causal, _ = problem
-        return 10.0 * B * Hq * D * _visible_pairs(Sq, Skv, causal)
 
     def bytes_moved(self, problem: AttentionProblem) -> float:
         """q, out, grad_out read and dq written; k, v read and dk, dv written; lse read."""

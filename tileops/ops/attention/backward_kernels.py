@@ -29,6 +29,7 @@ import tilelang.language as T
 
 from ..common import ACCUM, LOG2E, bits, from_f32, to_f32
 from ..online_softmax import FAST_MATH  # noqa: F401 (FAST_MATH: spec.fast_math)
+from .kernels import _at
 
 DELTA_ROWS = 64  # query rows per program instance of the Delta and dQ kernels
 
@@ -154,20 +155,27 @@ def _whole(q0, k0, block_M: int, block_N: int, seqlen_q, seqlen_kv, causal: bool
     return inside
 
 
+def _dense_shapes(lang, heads_q: int, heads_kv: int, D: int) -> tuple:
+    """The dense programs' tensor shapes, batch and both lengths dynamic (`lang`: T or TC): q
+    (and o, do, dq), k (and v, dk, dv), the lse rows, the statistics' workspaces (rows >=
+    seqlen_q: `rows`, 16-byte aligned by the caller) and the dQ accumulator."""
+    batch, seqlen_q, seqlen_kv = (lang.dynamic(n) for n in ("batch", "seqlen_q", "seqlen_kv"))
+    return ((batch, seqlen_q, heads_q, D), (batch, seqlen_kv, heads_kv, D),
+            (batch, heads_q, seqlen_q), (batch, heads_q, lang.dynamic("rows")),
+            (batch, heads_q, seqlen_q, D))
+
+
 def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype: str, *,
                 block_M: int, block_N: int, num_stages: int, threads: int, overlap: int = 0):
     """The GPU program: wgmma for the five products on sm_90a, the query-block loads (Q, dO, LSE,
     Delta) pipelined over `num_stages` buffers, the dQ reduce-add through TMA; `overlap` 1
     warp-specialised by hand with asynchronous products (`_ws_schedule`)."""
-    batch, seqlen_q, seqlen_kv = T.dynamic("batch"), T.dynamic("seqlen_q"), T.dynamic("seqlen_kv")
     group = heads_q // heads_kv
     D = head_dim
     scale = D ** -0.5
-    q_shape = (batch, seqlen_q, heads_q, D)
-    kv_shape = (batch, seqlen_kv, heads_kv, D)
-    rows = (batch, heads_q, seqlen_q)
-    stats = (batch, heads_q, T.dynamic("rows"))  # rows >= seqlen_q
-    acc_shape = (batch, heads_q, seqlen_q, D)
+    q_shape, kv_shape, rows, stats, acc_shape = _dense_shapes(T, heads_q, heads_kv, D)
+    batch, seqlen_q, _, _ = q_shape
+    seqlen_kv = kv_shape[1]
 
     @T.prim_func
     def attention_backward(Q: T.Tensor(q_shape, dtype), K: T.Tensor(kv_shape, dtype),
@@ -259,21 +267,88 @@ def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
     return attention_backward
 
 
+def _stat(buf, b, head, row):
+    """Row `row` of one head's statistics (LSE2, Delta): (batch, heads, rows) dense, (heads,
+    rows) packed (b None)."""
+    return buf[head, row] if b is None else buf[b, head, row]
+
+
+@TC.macro
+def _cpu_kv_block(Q, K, V, dO, LSE2, Delta, dQ_acc, dK, dV, b, kv_head, q_row0, kv_row0, k0,
+                  seqlen_q, seqlen_kv, causal: bool, dtype: str, block_M: int, block_N: int,
+                  group: int):
+    """The CPU main kernel's work for keys k0:k0 + block_N of one KV head: their dK and dV over
+    the query blocks of the group's query heads, and those blocks' dQ added into dQ_acc. A dense
+    batch entry b, or a packed sequence (b None) whose query and key rows start at q_row0 and
+    kv_row0."""
+    D = Q.shape[-1]
+    scale = D ** -0.5
+    k = TC.alloc_local((block_N, D), ACCUM)
+    v = TC.alloc_local((block_N, D), ACCUM)
+    dk = TC.alloc_local((block_N, D), ACCUM)
+    dv = TC.alloc_local((block_N, D), ACCUM)
+    q = TC.alloc_local((block_M, D), ACCUM)
+    do = TC.alloc_local((block_M, D), ACCUM)
+    p = TC.alloc_local((block_N, block_M), ACCUM)
+    ds = TC.alloc_local((block_N, block_M), ACCUM)
+    for i, d in TC.grid(block_N, D):
+        k[i, d] = TC.if_then_else(k0 + i < seqlen_kv,
+                                  to_f32(_at(K, b, kv_row0 + k0 + i, kv_head, d), dtype), 0.0)
+        v[i, d] = TC.if_then_else(k0 + i < seqlen_kv,
+                                  to_f32(_at(V, b, kv_row0 + k0 + i, kv_head, d), dtype), 0.0)
+        dk[i, d] = 0.0
+        dv[i, d] = 0.0
+    first = _first_query(k0, block_M, seqlen_q, seqlen_kv, causal)
+    for g, qb in TC.grid(group, TC.ceildiv(seqlen_q, block_M) - first):
+        q_head = kv_head * group + g
+        q0 = (first + qb) * block_M
+        for j, d in TC.grid(block_M, D):
+            q[j, d] = TC.if_then_else(q0 + j < seqlen_q,
+                                      to_f32(_at(Q, b, q_row0 + q0 + j, q_head, d), dtype), 0.0)
+            do[j, d] = TC.if_then_else(q0 + j < seqlen_q,
+                                       to_f32(_at(dO, b, q_row0 + q0 + j, q_head, d), dtype), 0.0)
+        for i, j in TC.grid(block_N, block_M):
+            if _seen(q0 + j, k0 + i, seqlen_q, seqlen_kv, causal):
+                p[i, j] = 0.0
+                ds[i, j] = 0.0
+                for d in TC.serial(D):
+                    p[i, j] += k[i, d] * q[j, d]
+                    ds[i, j] += v[i, d] * do[j, d]  # dP^T until the line below
+                p[i, j] = TC.exp2(p[i, j] * (scale * LOG2E)
+                                  - _stat(LSE2, b, q_head, q_row0 + q0 + j))
+                ds[i, j] = p[i, j] * (ds[i, j] - _stat(Delta, b, q_head, q_row0 + q0 + j)) * scale
+            else:
+                p[i, j] = 0.0
+                ds[i, j] = 0.0
+        for i, j, d in TC.grid(block_N, block_M, D):
+            dv[i, d] += p[i, j] * do[j, d]
+            dk[i, d] += ds[i, j] * q[j, d]
+        for j, i, d in TC.grid(block_M, block_N, D):
+            if q0 + j < seqlen_q:
+                if b is None:
+                    dQ_acc[q_head, q_row0 + q0 + j, d] += ds[i, j] * k[i, d]
+                else:
+                    dQ_acc[b, q_head, q0 + j, d] += ds[i, j] * k[i, d]
+    for i, d in TC.grid(block_N, D):
+        if k0 + i < seqlen_kv:
+            if b is None:
+                dK[kv_row0 + k0 + i, kv_head, d] = from_f32(dk[i, d], dtype)
+                dV[kv_row0 + k0 + i, kv_head, d] = from_f32(dv[i, d], dtype)
+            else:
+                dK[b, k0 + i, kv_head, d] = from_f32(dk[i, d], dtype)
+                dV[b, k0 + i, kv_head, d] = from_f32(dv[i, d], dtype)
+
+
 def cpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype: str, *,
                 block_M: int, block_N: int):
     """The CPU form of the same three kernels for TileLang's C target: fp32 local tiles, scalar
     loops for the products. The C target runs a kernel's instances one after another, so dQ is
     accumulated with plain adds."""
-    batch, seqlen_q, seqlen_kv = TC.dynamic("batch"), TC.dynamic("seqlen_q"), \
-        TC.dynamic("seqlen_kv")
     group = heads_q // heads_kv
     D = head_dim
-    scale = D ** -0.5
-    q_shape = (batch, seqlen_q, heads_q, D)
-    kv_shape = (batch, seqlen_kv, heads_kv, D)
-    rows = (batch, heads_q, seqlen_q)
-    stats = (batch, heads_q, TC.dynamic("rows"))
-    acc_shape = (batch, heads_q, seqlen_q, D)
+    q_shape, kv_shape, rows, stats, acc_shape = _dense_shapes(TC, heads_q, heads_kv, D)
+    batch, seqlen_q, _, _ = q_shape
+    seqlen_kv = kv_shape[1]
     io = bits(dtype)
 
     @TC.prim_func
@@ -285,65 +360,81 @@ def cpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
                            dQ: TC.Tensor(q_shape, io), dK: TC.Tensor(kv_shape, io),
                            dV: TC.Tensor(kv_shape, io)):
         with TC.Kernel(seqlen_q, heads_q, batch) as (row, head, b):
-            total = TC.alloc_local((1,), ACCUM)
-            total[0] = 0.0
-            for d in TC.serial(D):
-                total[0] += to_f32(O[b, row, head, d], dtype) * to_f32(dO[b, row, head, d], dtype)
-                dQ_acc[b, head, row, d] = 0.0
-            Delta[b, head, row] = total[0] - dLSE[b, head, row]
-            LSE2[b, head, row] = LSE[b, head, row] * LOG2E
-
+            _cpu_row_stats(O, dO, LSE, dLSE, LSE2, Delta, dQ_acc, b, head, row, dtype)
         with TC.Kernel(TC.ceildiv(seqlen_kv, block_N), heads_kv, batch) as (bx, kv_head, b):
-            k = TC.alloc_local((block_N, D), ACCUM)
-            v = TC.alloc_local((block_N, D), ACCUM)
-            dk = TC.alloc_local((block_N, D), ACCUM)
-            dv = TC.alloc_local((block_N, D), ACCUM)
-            q = TC.alloc_local((block_M, D), ACCUM)
-            do = TC.alloc_local((block_M, D), ACCUM)
-            p = TC.alloc_local((block_N, block_M), ACCUM)
-            ds = TC.alloc_local((block_N, block_M), ACCUM)
-            k0 = bx * block_N
-            for i, d in TC.grid(block_N, D):
-                k[i, d] = TC.if_then_else(k0 + i < seqlen_kv, to_f32(K[b, k0 + i, kv_head, d],
-                                                                     dtype), 0.0)
-                v[i, d] = TC.if_then_else(k0 + i < seqlen_kv, to_f32(V[b, k0 + i, kv_head, d],
-                                                                     dtype), 0.0)
-                dk[i, d] = 0.0
-                dv[i, d] = 0.0
-            first = _first_query(k0, block_M, seqlen_q, seqlen_kv, causal)
-            for g, qb in TC.grid(group, TC.ceildiv(seqlen_q, block_M) - first):
-                q_head = kv_head * group + g
-                q0 = (first + qb) * block_M
-                for j, d in TC.grid(block_M, D):
-                    q[j, d] = TC.if_then_else(q0 + j < seqlen_q, to_f32(Q[b, q0 + j, q_head, d],
-                                                                        dtype), 0.0)
-                    do[j, d] = TC.if_then_else(q0 + j < seqlen_q, to_f32(dO[b, q0 + j, q_head, d],
-                                                                         dtype), 0.0)
-                for i, j in TC.grid(block_N, block_M):
-                    if _seen(q0 + j, k0 + i, seqlen_q, seqlen_kv, causal):
-                        p[i, j] = 0.0
-                        ds[i, j] = 0.0
-                        for d in TC.serial(D):
-                            p[i, j] += k[i, d] * q[j, d]
-                            ds[i, j] += v[i, d] * do[j, d]  # dP^T until the line below
-                        p[i, j] = TC.exp2(p[i, j] * (scale * LOG2E) - LSE2[b, q_head, q0 + j])
-                        ds[i, j] = p[i, j] * (ds[i, j] - Delta[b, q_head, q0 + j]) * scale
-                    else:
-                        p[i, j] = 0.0
-                        ds[i, j] = 0.0
-                for i, j, d in TC.grid(block_N, block_M, D):
-                    dv[i, d] += p[i, j] * do[j, d]
-                    dk[i, d] += ds[i, j] * q[j, d]
-                for j, i, d in TC.grid(block_M, block_N, D):
-                    if q0 + j < seqlen_q:
-                        dQ_acc[b, q_head, q0 + j, d] += ds[i, j] * k[i, d]
-            for i, d in TC.grid(block_N, D):
-                if k0 + i < seqlen_kv:
-                    dK[b, k0 + i, kv_head, d] = from_f32(dk[i, d], dtype)
-                    dV[b, k0 + i, kv_head, d] = from_f32(dv[i, d], dtype)
-
+            _cpu_kv_block(Q, K, V, dO, LSE2, Delta, dQ_acc, dK, dV, b, kv_head, 0, 0,
+                          bx * block_N, seqlen_q, seqlen_kv, causal, dtype, block_M, block_N,
+                          group)
         with TC.Kernel(seqlen_q, heads_q, batch) as (row, head, b):
             for d in TC.serial(D):
                 dQ[b, row, head, d] = from_f32(dQ_acc[b, head, row, d], dtype)
 
     return attention_backward
+
+
+@TC.macro
+def _cpu_row_stats(O, dO, LSE, dLSE, LSE2, Delta, dQ_acc, b, head, row, dtype: str):
+    """The first kernel's work for one query row: Delta, the log2 log-sum-exp, dQ_acc zeroed."""
+    total = TC.alloc_local((1,), ACCUM)
+    total[0] = 0.0
+    for d in TC.serial(O.shape[-1]):
+        total[0] += to_f32(_at(O, b, row, head, d), dtype) * to_f32(_at(dO, b, row, head, d),
+                                                                    dtype)
+        if b is None:
+            dQ_acc[head, row, d] = 0.0
+        else:
+            dQ_acc[b, head, row, d] = 0.0
+    if b is None:
+        Delta[head, row] = total[0] - dLSE[head, row]
+        LSE2[head, row] = LSE[head, row] * LOG2E
+    else:
+        Delta[b, head, row] = total[0] - dLSE[b, head, row]
+        LSE2[b, head, row] = LSE[b, head, row] * LOG2E
+
+
+def cpu_ragged_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype: str, *,
+                       block_M: int, block_N: int):
+    """`cpu_program` over a packed batch (`kernels.ragged_program`'s layout: q, out, grad_out and
+    dq (tokens_q, heads_q, head_dim), k, v, dk, dv (tokens_kv, heads_kv, head_dim), LSE and dLSE
+    (heads_q, tokens_q), the workspaces without a batch dimension), sequence i at rows
+    CuQ[i]:CuQ[i + 1] and CuKV[i]:CuKV[i + 1], each offset clamped into the tensors as the
+    forward clamps it. Key rows no sequence holds get zero gradients."""
+    tokens_q, tokens_kv = TC.dynamic("tokens_q"), TC.dynamic("tokens_kv")
+    n_offsets = TC.dynamic("n_offsets")
+    group = heads_q // heads_kv
+    D = head_dim
+    q_shape = (tokens_q, heads_q, D)
+    kv_shape = (tokens_kv, heads_kv, D)
+    rows = (heads_q, tokens_q)
+    stats = (heads_q, TC.dynamic("rows"))
+    io = bits(dtype)
+
+    @TC.prim_func
+    def attention_varlen_backward(
+            Q: TC.Tensor(q_shape, io), K: TC.Tensor(kv_shape, io), V: TC.Tensor(kv_shape, io),
+            CuQ: TC.Tensor((n_offsets,), "int32"), CuKV: TC.Tensor((n_offsets,), "int32"),
+            O: TC.Tensor(q_shape, io), dO: TC.Tensor(q_shape, io), LSE: TC.Tensor(rows, ACCUM),
+            dLSE: TC.Tensor(rows, ACCUM), LSE2: TC.Tensor(stats, ACCUM),
+            Delta: TC.Tensor(stats, ACCUM), dQ_acc: TC.Tensor((heads_q, tokens_q, D), ACCUM),
+            dQ: TC.Tensor(q_shape, io), dK: TC.Tensor(kv_shape, io),
+            dV: TC.Tensor(kv_shape, io)):
+        with TC.Kernel(tokens_q, heads_q) as (row, head):
+            _cpu_row_stats(O, dO, LSE, dLSE, LSE2, Delta, dQ_acc, None, head, row, dtype)
+        with TC.Kernel(tokens_kv, heads_kv) as (row, kv_head):
+            for d in TC.serial(D):  # +0.0 is all zero bits in each dtype (bf16 too)
+                dK[row, kv_head, d] = TC.cast(0, io)
+                dV[row, kv_head, d] = TC.cast(0, io)
+        with TC.Kernel(n_offsets - 1, heads_kv) as (seq, kv_head):
+            q_row0 = TC.min(CuQ[seq], tokens_q)
+            kv_row0 = TC.min(CuKV[seq], tokens_kv)
+            len_q = TC.min(TC.max(CuQ[seq + 1], q_row0), tokens_q) - q_row0
+            len_kv = TC.min(TC.max(CuKV[seq + 1], kv_row0), tokens_kv) - kv_row0
+            for kb in TC.serial(TC.ceildiv(len_kv, block_N)):
+                _cpu_kv_block(Q, K, V, dO, LSE2, Delta, dQ_acc, dK, dV, None, kv_head, q_row0,
+                              kv_row0, kb * block_N, len_q, len_kv, causal, dtype, block_M,
+                              block_N, group)
+        with TC.Kernel(tokens_q, heads_q) as (row, head):
+            for d in TC.serial(D):
+                dQ[row, head, d] = from_f32(dQ_acc[head, row, d], dtype)
+
+    return attention_varlen_backward

@@ -374,9 +374,12 @@ class AttentionSpec(OpSpec):
         scale = inputs[4] if len(inputs) > 4 and inputs[4] is not None else q.shape[3] ** -0.5
         return _attention(q, k, v, causal, scale, torch.float64)
 
+    # Matrix products over each visible (query, key) pair: Q K^T and P V (the backward's five).
+    products = 2
+
     def flops(self, problem: AttentionProblem) -> float:
         B, Sq, Skv, Hq, _, D, causal, _ = problem
-        return 4.0 * B * Hq * D * _visible_pairs(Sq, Skv, causal)
+        return 2.0 * self.products * B * Hq * D * _visible_pairs(Sq, Skv, causal)
 
     def bytes_moved(self, problem: AttentionProblem) -> float:
         B, Sq, Skv, Hq, Hkv, D, _, dtype = problem

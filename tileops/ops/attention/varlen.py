@@ -327,7 +327,7 @@ class AttentionVarlenSpec(OpSpec):
         if any(t.stride(2) != 1 for t in (q, k, v)):
             raise ValueError(f"{who}: the last dimension (head_dim) of q, k and v must be "
                              "contiguous (stride 1)")
-        refuse_grad(who, q=q, k=k, v=v)
+        refuse_grad(f"{who} on {q.device.type}", q=q, k=k, v=v)  # (a graph on the CPU)
 
     def parse_exact(self, text: str, dtype: str) -> VarlenProblem:
         match = re.fullmatch(r"\s*(\d+(?:x\d+){4}|\d+(?:x\d+){6})(:causal)?\s*", text)
@@ -400,10 +400,12 @@ class AttentionVarlenSpec(OpSpec):
         scale = inputs[8] if len(inputs) > 8 and inputs[8] is not None else None
         return _per_sequence(q, k, v, cu_q, cu_k, causal, torch.float64, scale)
 
+    products = 2  # as `AttentionSpec.products`
+
     def flops(self, problem: VarlenProblem) -> float:
         len_q, len_kv = problem_lengths(problem)
         pairs = sum(_visible_pairs(a, b, problem.causal) for a, b in zip(len_q, len_kv, strict=True))
-        return 4.0 * problem.heads_q * problem.head_dim * pairs
+        return 2.0 * self.products * problem.heads_q * problem.head_dim * pairs
 
     def bytes_moved(self, problem: VarlenProblem) -> float:
         Tq, Tk, _, _, Hq, Hkv, D, _, dtype = problem
