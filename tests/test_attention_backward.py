@@ -141,6 +141,24 @@ def test_sm90a_codegen_reduces_dq_through_tma():
     assert "sm_90" in ATTENTION_BACKWARD.unsupported_reason(A100)
 
 
+@pytest.mark.parametrize("heads_kv", [8, 32])  # the last step's dQ buffer: even and any count
+def test_sm90a_codegen_hands_dq_to_the_producer(heads_kv):
+    """overlap 2: the consumers write dQ's tile and fence it; the producer warp, a step behind,
+    issues the reduce-add, also for the last step after the loop."""
+    problem = ATTENTION_BACKWARD.Problem(2, 1024, 1024, 32, heads_kv, 128, True, "bfloat16")
+    config = {**ATTENTION_BACKWARD.default_config(problem, H200), "overlap": 2}
+    assert ATTENTION_BACKWARD.check_config(problem, config, H200) is None
+    src = lower(ATTENTION_BACKWARD.build(problem, config, H200), H200).kernel_source
+    main = src[src.index("attention_backward_kernel_1("):]
+    main = main[main.index("{"):]
+    producer = main[main.index("warpgroup_reg_dealloc<24>"):main.index("warpgroup_reg_alloc<240>")]
+    consumers = main[main.index("warpgroup_reg_alloc<240>"):]
+    assert producer.count("tma_store_add") == 2 and "tma_store_add" not in consumers
+    assert "dq_full" in producer and "dq_empty" in consumers
+    assert consumers.index("fence_proxy_async", consumers.index("dq_empty")) < consumers.index(
+        "dq_full")
+
+
 # ---- CUDA (sm_90) ---------------------------------------------------------------------------------
 
 GPU_CASES = [  # (batch, seqlen_q, seqlen_kv, heads_q, heads_kv, head_dim, causal, dtype)
@@ -168,6 +186,7 @@ def test_cuda_gradients_match_float64(B, Sq, Skv, Hq, Hkv, D, causal, dtype):
     {"block_M": 64, "block_N": 64, "num_stages": 1, "threads": 128, "overlap": 0},
     {"block_M": 64, "block_N": 128, "num_stages": 2, "threads": 256, "overlap": 1},
     {"block_M": 64, "block_N": 64, "num_stages": 2, "threads": 128, "overlap": 1},
+    {"block_M": 64, "block_N": 128, "num_stages": 2, "threads": 256, "overlap": 2},
 ])
 def test_cuda_configs_write_every_element(config):
     """Each configuration into NaN-filled outputs, against the reference."""

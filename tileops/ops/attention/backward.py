@@ -104,8 +104,9 @@ def _check_cuda(problem: AttentionProblem, config: Config, target: Target) -> st
         return f"head_dim {D}: no CUDA kernel (dK and dV would not fit in registers)"
     threads, stages = config["threads"], config["num_stages"]
     esize = DTYPE_SIZES[problem.dtype]
-    # K and V; Q and dO per stage; dS^T; the fp32 dQ tile of the reduce-add
-    smem = (2 * bn * D + 2 * stages * bm * D + bn * bm) * esize + bm * D * 4
+    # K and V; Q and dO per stage; dS^T; the fp32 dQ tile of the reduce-add (two, overlap 2)
+    dq_tiles = 2 if config.get("overlap") == 2 else 1
+    smem = (2 * bn * D + 2 * stages * bm * D + bn * bm) * esize + dq_tiles * bm * D * 4
     limit = smem_limit(target.arch)
     if smem > limit:
         return f"shared memory {smem // 1024} KiB > {limit // 1024} KiB"

@@ -57,12 +57,13 @@ _DS_BARRIER = 9
 @T.macro
 def _step(K_s, V_s, Q_s, dO_s, dS_s, dQ_s, lse, delta, lse_f, delta_f, S, dP, P, dS, dk, dv, dq,
           dQ_acc, b, q_head, q0, k0, seqlen_q, seqlen_kv, causal: bool, scale: float,
-          consumers: int):
+          consumers: int, handoff: bool):
     """One query block of the main kernel: the five products and dQ's reduce-add.
 
     `consumers` 0: each product waits for itself (TileLang's warp specialisation). Otherwise the
     `consumers` threads of `_ws_schedule` issue the products asynchronously: dP^T = V dO^T runs
-    under P's exponentials, dV under dS's arithmetic, dK under dS's store."""
+    under P's exponentials, dV under dS's arithmetic, dK under dS's store. `handoff`: the
+    producer issues dQ's reduce-add (`_ws_schedule`'s overlap 2)."""
     full = T.GemmWarpPolicy.FullRow
     gemm = T.wgmma_gemm if consumers else T.gemm
     with T.ws_op("s"):
@@ -113,31 +114,52 @@ def _step(K_s, V_s, Q_s, dO_s, dS_s, dQ_s, lse, delta, lse_f, delta_f, S, dP, P,
             T.wait_wgmma(0)
     with T.ws_op("store_dq"):
         T.copy(dq, dQ_s)
-        T.atomic_add(dQ_acc[b, q_head, q0:q0 + S.shape[1], :], dQ_s, use_tma=True)
+        if handoff:
+            T.fence_proxy_async()  # the generic-proxy stores, before the producer's TMA reads
+    T.atomic_add(dQ_acc[b, q_head, q0:q0 + S.shape[1], :], dQ_s, use_tma=True,
+                 annotations={T.WSID: "reduce_dq"})
 
 
-def _ws_schedule(consumer_warps: int, K_s, V_s, Q_s, lse, dO_s, delta, num_stages: int):
+# The consumers' part of a step up to dQ's tile, in every hand schedule.
+_CONSUMER_STEP = [T.WSSync.consumer_wait("q"), "s", T.WSSync.consumer_wait("do"), "dp", "p", "dv",
+                  "ds", "dk", "store_ds", "dq", T.WSSync.consumer_release("q"),
+                  T.WSSync.consumer_release("do")]
+
+
+def _ws_schedule(consumer_warps: int, K_s, V_s, Q_s, lse, dO_s, delta, dQ_s, num_stages: int,
+                 overlap: int):
     """The main kernel warp-specialised by hand: a producer warp loads K and V once and each
     query block's Q, LSE, dO and Delta through `num_stages` buffers; each buffer goes back to it
     only after the wait that ends its last product (TileLang's automatic warp specialisation
-    would release it before an asynchronous product's wait)."""
+    would release it before an asynchronous product's wait).
+
+    `overlap` 2: the consumers only write each block's dQ tile into one of two buffers, and the
+    producer issues its reduce-add a step later (and waits for it to leave shared memory), so
+    that no consumer waits for the reduce."""
+    if overlap == 2:
+        steps = {"Producer": [T.WSSync.producer_acquire("q"), "load_q", "load_lse",
+                              T.WSSync.producer_commit("q"), T.WSSync.producer_acquire("do"),
+                              "load_do", "load_delta", T.WSSync.producer_commit("do"),
+                              T.WSSync.consumer_wait("dq", stage=1), "reduce_dq",
+                              T.WSSync.consumer_release("dq", stage=1)],
+                 "Consumer": [*_CONSUMER_STEP, T.WSSync.producer_acquire("dq"), "store_dq",
+                              T.WSSync.producer_commit("dq")]}
+        handoff = [T.WSPipeline("dq", [dQ_s], depth=2)]
+    else:
+        steps = {"Producer": [T.WSSync.producer_acquire("q"), "load_q", "load_lse",
+                              T.WSSync.producer_commit("q"), T.WSSync.producer_acquire("do"),
+                              "load_do", "load_delta", T.WSSync.producer_commit("do")],
+                 "Consumer": [*_CONSUMER_STEP, "store_dq", "reduce_dq"]}
+        handoff = []
     return T.WSSchedule(
         num_warps=4 + consumer_warps,
         roles=[T.WSRole("Producer", warps_lo=0, warps_hi=1, max_nreg=24),
                T.WSRole("Consumer", warps_lo=4, warps_hi=4 + consumer_warps, max_nreg=240)],
         pipelines=[T.WSPipeline("kv", [K_s, V_s], depth=1),
                    T.WSPipeline("q", [Q_s, lse], depth=num_stages),
-                   T.WSPipeline("do", [dO_s, delta], depth=num_stages)],
+                   T.WSPipeline("do", [dO_s, delta], depth=num_stages), *handoff],
         scopes=[
-            T.WSScope("steps", {
-                "Producer": [T.WSSync.producer_acquire("q"), "load_q", "load_lse",
-                             T.WSSync.producer_commit("q"), T.WSSync.producer_acquire("do"),
-                             "load_do", "load_delta", T.WSSync.producer_commit("do")],
-                "Consumer": [T.WSSync.consumer_wait("q"), "s", T.WSSync.consumer_wait("do"),
-                             "dp", "p", "dv", "ds", "dk", "store_ds", "dq",
-                             T.WSSync.consumer_release("q"), T.WSSync.consumer_release("do"),
-                             "store_dq"],
-            }),
+            T.WSScope("steps", steps),
             T.WSScope(T.WSScope.ROOT, {
                 "Producer": [T.WSSync.producer_acquire("kv"), "load_k", "load_v",
                              T.WSSync.producer_commit("kv"), "steps"],
@@ -169,7 +191,8 @@ def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
                 block_M: int, block_N: int, num_stages: int, threads: int, overlap: int = 0):
     """The GPU program: wgmma for the five products on sm_90a, the query-block loads (Q, dO, LSE,
     Delta) pipelined over `num_stages` buffers, the dQ reduce-add through TMA; `overlap` 1
-    warp-specialised by hand with asynchronous products (`_ws_schedule`)."""
+    warp-specialised by hand with asynchronous products, 2 with dQ's reduce-add handed to the
+    producer (`_ws_schedule`)."""
     group = heads_q // heads_kv
     D = head_dim
     scale = D ** -0.5
@@ -225,7 +248,7 @@ def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
             delta_f = T.alloc_fragment((block_M,), ACCUM)
             if overlap:
                 T.annotate_ws_schedule(_ws_schedule(threads // 32, K_s, V_s, Q_s, lse, dO_s,
-                                                    delta, num_stages))
+                                                    delta, dQ_s, num_stages, overlap))
             k0 = bx * block_N
             first = _first_query(k0, block_M, seqlen_q, seqlen_kv, causal)
             steps = T.ceildiv(seqlen_q, block_M) - first  # >= 1: the last query sees every key
@@ -247,7 +270,7 @@ def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
                        annotations={T.WSID: "load_delta"})
                 _step(K_s, V_s, Q_s, dO_s, dS_s, dQ_s, lse, delta, lse_f, delta_f, S, dP, P, dS,
                       dk, dv, dq, dQ_acc, b, q_head, q0, k0, seqlen_q, seqlen_kv, causal, scale,
-                      threads if overlap else 0)
+                      threads if overlap else 0, overlap == 2)
             with T.ws_op("final"):
                 # K and V are read no more: their tiles stage dK and dV for the stores.
                 T.copy(dk, K_s)
