@@ -122,8 +122,6 @@ def test_varlen_refuses_bad_arguments():
         tileops.flash_attention_varlen(q[None], k, v, cu_q, cu_k, mq, mk)
     with pytest.raises(ValueError, match="max_seqlen_q must be an int"):
         tileops.flash_attention_varlen(q, k, v, cu_q, cu_k, 0, mk)
-    with pytest.raises(RuntimeError, match="has no backward"):
-        tileops.flash_attention_varlen(q.requires_grad_(), k, v, cu_q, cu_k, mq, mk)
 
 
 def test_varlen_bad_offsets_unvalidated_stay_inside_the_tensors():
