@@ -252,9 +252,6 @@ class AttentionBackwardSpec(AttentionSpec):
         B, Sq, Skv, Hq, Hkv, D, _, dtype = problem
         return (4 * B * Sq * Hq * D + 4 * B * Skv * Hkv * D) * DTYPE_SIZES[dtype] + 4 * B * Hq * Sq
 
-    def tolerance(self, problem: AttentionProblem) -> float:
-        return 1e-5 if problem.dtype == "float32" else 2e-2
-
 
 def attention_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
                     causal: bool, scale: float, dtype: torch.dtype,
