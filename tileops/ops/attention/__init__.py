@@ -51,17 +51,21 @@ def _setup(ctx, inputs, output) -> None:
     ctx.causal, ctx.softmax_scale = causal, softmax_scale
 
 
+def _grads(spec, op, grad_out: torch.Tensor | None, out: torch.Tensor, before: tuple,
+           after: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv through a backward operator: `op` in code being compiled, else dispatch, on
+    (*before, out, grad_out, *after). A missing grad_out (only lse was used) is zeros."""
+    grad_out = torch.zeros_like(out) if grad_out is None else grad_out.to(out.dtype)
+    args = (*before, out, grad_out, *after)
+    return op(*args) if torch.compiler.is_compiling() else DISPATCHER(spec, *args)
+
+
 def _backward(ctx, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None):
     """dq, dk, dv through the `attention_backward` operator. The lse output is differentiable
     too (its gradient enters as dS = P (dP - Delta + grad_lse))."""
     q, k, v, out, lse = ctx.saved_tensors
-    if grad_out is None:  # only lse was used
-        grad_out = torch.zeros_like(out)
-    args = (q, k, v, out, grad_out.to(out.dtype), lse, ctx.causal, ctx.softmax_scale, grad_lse)
-    if torch.compiler.is_compiling():
-        grads = _backward_op(*args)
-    else:
-        grads = DISPATCHER(ATTENTION_BACKWARD, *args)
+    grads = _grads(ATTENTION_BACKWARD, _backward_op, grad_out, out, (q, k, v),
+                   (lse, ctx.causal, ctx.softmax_scale, grad_lse))
     return (*grads, None, None)
 
 
@@ -134,14 +138,9 @@ def _backward_varlen(ctx, grad_out: torch.Tensor | None, grad_lse: torch.Tensor 
     """dq, dk, dv through the `attention_varlen_backward` operator (the forward validated the
     offsets, or was told not to)."""
     q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
-    if grad_out is None:
-        grad_out = torch.zeros_like(out)
-    args = (q, k, v, cu_q, cu_k, *ctx.sizes, out, grad_out.to(out.dtype), lse, ctx.causal,
-            ctx.softmax_scale, grad_lse)
-    if torch.compiler.is_compiling():
-        grads = _varlen_backward_op(*args)
-    else:
-        grads = DISPATCHER(ATTENTION_VARLEN_BACKWARD, *args)
+    grads = _grads(ATTENTION_VARLEN_BACKWARD, _varlen_backward_op, grad_out, out,
+                   (q, k, v, cu_q, cu_k, *ctx.sizes), (lse, ctx.causal, ctx.softmax_scale,
+                                                       grad_lse))
     return (*grads, *(None,) * 7)
 
 

@@ -144,8 +144,7 @@ class AttentionBackwardSpec(AttentionSpec):
                                       f"{', '.join(map(str, CUDA_HEAD_DIMS))}); the forward "
                                       "runs it, so call it under torch.no_grad()")
         Skv, Hkv = k.shape[1], k.shape[2]
-        q, k, v, out, grad_out = (t.contiguous() for t in (q, k, v, out, grad_out))
-        lse = lse.contiguous()
+        q, k, v, out, grad_out, lse = (t.contiguous() for t in (q, k, v, out, grad_out, lse))
         grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse.float().contiguous()
         ratio = 1.0
         if softmax_scale is not None and softmax_scale != D ** -0.5:

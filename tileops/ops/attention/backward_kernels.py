@@ -29,7 +29,7 @@ import tilelang.language as T
 
 from ..common import ACCUM, LOG2E, bits, from_f32, to_f32
 from ..online_softmax import FAST_MATH  # noqa: F401 (FAST_MATH: spec.fast_math)
-from .kernels import _at
+from .kernels import _at, _visible
 
 DELTA_ROWS = 64  # query rows per program instance of the Delta and dQ kernels
 
@@ -43,11 +43,9 @@ def _first_query(k0, block_M: int, seqlen_q, seqlen_kv, causal: bool):
 
 
 def _seen(query, key, seqlen_q, seqlen_kv, causal: bool):
-    """Whether a (query, key) pair is inside the tensors and unmasked."""
-    inside = T.And(query < seqlen_q, key < seqlen_kv)
-    if causal:
-        return T.And(inside, key <= query + seqlen_kv - seqlen_q)
-    return inside
+    """Whether a (query, key) pair is inside the tensors and unmasked: the forward's `_visible`,
+    for a query that is a row of the tensors (the backward's query blocks also run past them)."""
+    return T.And(query < seqlen_q, _visible(query, key, seqlen_q, seqlen_kv, causal))
 
 
 # The named barrier of the hand-scheduled consumers (TileLang's own barriers take the low ids).
