@@ -25,30 +25,21 @@ from tileops.target import resolve_device  # noqa: E402
 from tileops.tuner.timing import Timer  # noqa: E402
 
 SHIPPED = packed_kernels.RS_SOURCE
-_LOOP = SHIPPED.index("#pragma unroll\n    for (int k = 0; k < 4; ++k)")
-_BLOCK_END = SHIPPED.rindex("  }\n}")
-
-
-def _with_loop(body: str) -> str:
-    return SHIPPED[:_LOOP] + body + SHIPPED[_BLOCK_END:]
-
-
-def _without(old: str, new: str) -> str:
-    assert old in SHIPPED, f"the shipped decode no longer holds {old!r}"
-    return SHIPPED.replace(old, new)
+_PAIRS = SHIPPED.index("#pragma unroll\n  for (int k = 0; k < 4; ++k)")  # a word's pairs, per atom
+_PAIRS_END = SHIPPED.index("// A step's atoms")
+_STEP = SHIPPED.index("  const int* w[4]")  # the step's loads and the decode of its atoms
 
 
 VARIANTS = {
     "shipped": SHIPPED,
-    "one_hmul2": _without("__hmul2(__hmul2(v, two126), ", "__hmul2(v, "),  # no 2^126 multiply
-    "no_alu": _with_loop("""#pragma unroll
-    for (int k = 0; k < 4; ++k) {
+    "no_alu": SHIPPED[:_PAIRS] + """#pragma unroll
+  for (int k = 0; k < 16; ++k) { o[k] = word[k % 4] ^ scale[k % 4]; }
+}
+
+""" + SHIPPED[_PAIRS_END:],  # the loads kept, one operation per register
+    "no_lds": SHIPPED[:_STEP] + """  unsigned int* o = reinterpret_cast<unsigned int*>(out);
 #pragma unroll
-      for (int p = 0; p < 4; ++p) { o[16 * a + 4 * k + p] = word[k] ^ scale[p]; }
-    }
-"""),  # the loads kept, one operation per register
-    "no_lds": SHIPPED[:SHIPPED.index("  {\n    const uint4 q")] + """  #pragma unroll
-  for (int k = 0; k < 16; ++k) { o[16 * a + k] = 0x3F803F80u; }
+  for (int k = 0; k < 16 * 4; ++k) { if (k < 16 * atoms) o[k] = 0x3F803F80u; }
 }
 """,
 }

@@ -117,10 +117,10 @@ def test_every_code_under_every_scale_decodes_exactly_cuda(dequant, ctas_per_sm)
     assert_decoded_exactly(out, a, w_fp4, w_scale)
 
 
-def every_code_under_every_scale() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(a, w_fp4, w_scale): row n of the 256 x 64 weight holds the 16 codes under scale n, a is
+def every_code_under_every_scale(K: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(a, w_fp4, w_scale): row n of the 256 x K weight holds the 16 codes under scale n, a is
     16 one-hot rows."""
-    N, K = 256, 64
+    N = 256
     codes = torch.arange(16, dtype=torch.uint8, device="cuda").repeat(N, K // 16)
     w_fp4 = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
     w_scale = torch.arange(N, dtype=torch.uint8, device="cuda").unsqueeze(1).repeat(1, K // 32)
@@ -170,13 +170,14 @@ def test_prepacked_weight_cuda(M, N, K, overrides):
     assert torch.equal(packed.unpack()[0], w_fp4)
 
 
-def test_prepacked_every_code_under_every_scale_decodes_exactly_cuda():
+@pytest.mark.parametrize("block_K", [64, 256])
+def test_prepacked_every_code_under_every_scale_decodes_exactly_cuda(block_K):
     """As the OCP kernels' test above: the decoded weight, bit for bit (NaN where the format's
-    product is NaN)."""
+    product is NaN), the scales folded with the decode's 2^-126 and those beyond bf16 so."""
     target = target_of(CUDA)
-    a, w_fp4, w_scale = every_code_under_every_scale()
+    a, w_fp4, w_scale = every_code_under_every_scale(block_K)  # one step of block_K atoms
     call = MXFP4_GEMM_PACKED.prepare(a, tileops.prepack_mxfp4(w_fp4, w_scale))
     config = {**MXFP4_GEMM_PACKED.default_config(call.problem, target), "split_k": 1,
-              "block_K": 64}
+              "block_K": block_K}
     kernel = dispatch.compile_kernel(MXFP4_GEMM_PACKED, call.problem, config, target)
     assert_decoded_exactly(MXFP4_GEMM_PACKED.launch(kernel, call.args), a, w_fp4, w_scale)

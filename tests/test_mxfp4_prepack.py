@@ -33,24 +33,46 @@ def test_prepack_round_trips_every_bit(N, K):
 
 
 def test_a_lane_reads_its_fragment_from_one_word():
-    """Lane 13's word 3 of atom (1, 2): nibble 5 is fragment element 5 (pair 2: row l // 4,
-    columns 8 + 2 (l % 4) + 1 of k-step 3), as the kernel's decode assumes."""
+    """Lane 13's word 3 of atom (1, 2): fragment element 5 (pair 2: row l // 4, column
+    8 + 2 (l % 4) + 1 of k-step 3) lies in the word's upper half, its magnitude at bits 22..24
+    and its sign at 31, where a bf16 pair keeps them: the decode's one mask."""
     w_fp4, w_scale = random_ocp(48, 192, 5)
     codes = torch.stack((w_fp4 & 15, w_fp4 >> 4), dim=-1).view(48, 192)
     packed = tileops.prepack_mxfp4(w_fp4, w_scale)
-    lane, word, nibble = 13, 3, 5
+    lane, word = 13, 3
     row, col = 16 + lane // 4, 128 + 16 * word + 8 + 2 * (lane % 4) + 1
-    got = (int(packed.words[1, 128 * 2 + 4 * lane + word]) >> (4 * nibble)) & 15
-    assert got == int(codes[row, col])
+    bits = int(packed.words[1, 128 * 2 + 4 * lane + word]) & 0xFFFFFFFF
+    assert ((bits >> 22) & 7) | ((bits >> 31) << 3) == int(codes[row, col])
 
 
 @pytest.mark.parametrize(("M", "N", "K"), [(1, 32, 64), (5, 48, 192), (33, 64, 128)])
 def test_cpu_kernel_on_the_prepacked_weight_equals_the_ocp_path(M, N, K):
     w = torch.randn(N, K, generator=torch.Generator().manual_seed(M))
     w_fp4, w_scale = tileops.quantize_mxfp4(w)
-    a = torch.randn(M, K, generator=torch.Generator().manual_seed(K)).bfloat16()
     packed = tileops.prepack_mxfp4(w_fp4, w_scale)
-    assert torch.equal(tileops.mxfp4_gemm(a, packed), tileops.mxfp4_gemm(a, w_fp4, w_scale))
+    # One-hot rows read every decoded element alone (exact, whatever the summation order) ...
+    eye = torch.eye(K, dtype=torch.bfloat16)
+    assert torch.equal(tileops.mxfp4_gemm(eye, packed), tileops.mxfp4_gemm(eye, w_fp4, w_scale))
+    # ... and dense rows agree to the last bit of an fp32 sum rounded to bf16.
+    a = torch.randn(M, K, generator=torch.Generator().manual_seed(K)).bfloat16()
+    torch.testing.assert_close(tileops.mxfp4_gemm(a, packed), tileops.mxfp4_gemm(a, w_fp4, w_scale),
+                               rtol=2 ** -7, atol=1e-6)
+
+
+@pytest.mark.parametrize("e", [0, 1, 126, 127, 128, 129, 200, 252, 255])
+def test_cpu_kernel_decodes_every_code_under_a_scale(e):
+    """Each code under the scale 2^(e - 127), folded with the decode's 2^-126 (e <= 128), beyond
+    bf16 once folded (129 ... 254: stored negative), or NaN (255). (From e = 253 the largest
+    codes overflow, and a one-hot row's 0 x inf is NaN.)"""
+    K = 64
+    codes = torch.arange(16, dtype=torch.uint8).repeat(K // 16)
+    w_fp4 = (codes[0::2] | (codes[1::2] << 4)).view(1, K // 2).repeat(16, 1)
+    w_scale = torch.full((16, K // 32), e, dtype=torch.uint8)
+    packed = tileops.prepack_mxfp4(w_fp4, w_scale)
+    got = tileops.mxfp4_gemm(torch.eye(K, dtype=torch.bfloat16), packed)
+    want = tileops.dequantize_mxfp4(w_fp4, w_scale, torch.float32).t().bfloat16()
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
 
 
 def test_bad_input_is_refused():

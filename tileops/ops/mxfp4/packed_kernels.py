@@ -10,38 +10,78 @@ from ..common import ACCUM
 from .constants import ATOM_K, ATOM_ROWS, BLOCK
 from .kernels import code_value_bits, cpu_tiles
 
-# The prepacked weight's decode (prepack.py has the layout): a lane's words and scales for each
-# 64-deep atom of its K step, one 16-byte and one 8-byte shared-memory load, become the bf16 pairs
-# of its wgmma A fragment, written in the fragment's register order (`out`: 4 pairs per k-step).
-# Per pair: one shift puts the codes at bits 12 and 28 (signs where bf16 keeps them), a second
-# moves the magnitudes six places down to the lowest exponent and top mantissa bits; read as bf16
-# the pair is the E2M1 values times 2^-126 (code 1 the subnormal 2^-127), and two packed multiplies
-# (2^126, then the block's scale) make it exact, rounding once as bf16 does.
+# The prepacked weight's decode (prepack.py has the layout): a lane's words and scales for one
+# 64-deep atom, one 16-byte and one 8-byte shared-memory load, become the bf16 pairs of its wgmma
+# A fragment, written in the fragment's register order (`out`: 4 pairs per k-step). A word's four
+# pairs take 11 integer instructions: pair 2 one mask, pair 0 a shift and a mask, pairs 1 and 3
+# their magnitudes and signs shifted apart. Read as bf16 a pair is its values times 2^-126 (code 1
+# the subnormal 2^-127); one packed multiply by the scale, stored times 2^126, makes it exact,
+# rounding once. A step holding a scale beyond bf16 once multiplied (stored negative) takes the
+# other branch, a multiply by -2^126 first.
 RS_DECODE = "tileops_mxfp4_rs_decode"
+# Where each pair's magnitudes (a code's low three bits) and signs lie in a half of a prepacked
+# word: the shifts and masks below, and prepack.py's layout.
+MAGNITUDE = (0, 3, 6, 11)
+SIGN = (9, 10, 15, 14)
 RS_SOURCE = r"""
 #include <cuda_bf16.h>
-__device__ __forceinline__ void tileops_mxfp4_rs_decode(const int* w, const short* s, void* out,
-                                                        int a) {
-  unsigned int* o = reinterpret_cast<unsigned int*>(out);
-  const __nv_bfloat162 two126 = __halves2bfloat162(__ushort_as_bfloat16(0x7E80),
-                                                   __ushort_as_bfloat16(0x7E80));
-  {
-    const uint4 q = *reinterpret_cast<const uint4*>(w);
-    const uint2 sc = *reinterpret_cast<const uint2*>(s);
-    const unsigned int scale[4] = {__byte_perm(sc.x, 0u, 0x1010), __byte_perm(sc.x, 0u, 0x3232),
-                                   __byte_perm(sc.y, 0u, 0x1010), __byte_perm(sc.y, 0u, 0x3232)};
-    const unsigned int word[4] = {q.x, q.y, q.z, q.w};
+template <bool kWide>
+__device__ __forceinline__ void tileops_mxfp4_rs_pairs(const uint4 q, const uint2 sc,
+                                                       unsigned int* o) {
+  const unsigned int scale[4] = {__byte_perm(sc.x, 0u, 0x1010), __byte_perm(sc.x, 0u, 0x3232),
+                                 __byte_perm(sc.y, 0u, 0x1010), __byte_perm(sc.y, 0u, 0x3232)};
+  const unsigned int word[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
+  for (int k = 0; k < 4; ++k) {
+    const unsigned int x = word[k];
+    unsigned int r[4];
+    r[0] = (x << 6) & 0x81C081C0u;
+    r[1] = ((x << 3) & 0x01C001C0u) | ((x << 5) & 0x80008000u);
+    r[2] = x & 0x81C081C0u;
+    r[3] = ((x >> 5) & 0x01C001C0u) | ((x << 1) & 0x80008000u);
 #pragma unroll
-      for (int p = 0; p < 4; ++p) {
-        const unsigned int x = word[k] << (4 * p);
-        unsigned int r = (x & 0x80008000u) | ((x >> 6) & 0x01C001C0u);
-        __nv_bfloat162 v = *reinterpret_cast<__nv_bfloat162*>(&r);
-        const unsigned int sp = scale[2 * (k / 2) + (p % 2)];
-        v = __hmul2(__hmul2(v, two126), *reinterpret_cast<const __nv_bfloat162*>(&sp));
-        o[16 * a + 4 * k + p] = *reinterpret_cast<unsigned int*>(&v);
+    for (int p = 0; p < 4; ++p) {
+      __nv_bfloat162 v = *reinterpret_cast<__nv_bfloat162*>(&r[p]);
+      const unsigned int sp = scale[2 * (k / 2) + (p % 2)];
+      if (kWide) {  // -2^126 where the scale is negative, 1 elsewhere
+        const unsigned int neg = (sp >> 15) & 0x00010001u;
+        const unsigned int bias = 0x3F803F80u ^ (neg * (0x3F80u ^ 0xFE80u));
+        v = __hmul2(v, *reinterpret_cast<const __nv_bfloat162*>(&bias));
       }
+      v = __hmul2(v, *reinterpret_cast<const __nv_bfloat162*>(&sp));
+      o[4 * k + p] = *reinterpret_cast<unsigned int*>(&v);
+    }
+  }
+}
+
+// A step's atoms (up to four; unused pointers repeat the first): every load first, then one
+// branch for the whole step, which the compiler cannot schedule loads across.
+__device__ __forceinline__ void tileops_mxfp4_rs_decode(int atoms, void* out,
+    const int* w0, const short* s0, const int* w1, const short* s1,
+    const int* w2, const short* s2, const int* w3, const short* s3) {
+  const int* w[4] = {w0, w1, w2, w3};
+  const short* s[4] = {s0, s1, s2, s3};
+  uint4 q[4];
+  uint2 sc[4];
+  unsigned int any = 0u;
+#pragma unroll
+  for (int a = 0; a < 4; ++a) {
+    if (a < atoms) {
+      q[a] = *reinterpret_cast<const uint4*>(w[a]);
+      sc[a] = *reinterpret_cast<const uint2*>(s[a]);
+      any |= sc[a].x | sc[a].y;
+    }
+  }
+  unsigned int* o = reinterpret_cast<unsigned int*>(out);
+  if (any & 0x80008000u) {
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+      if (a < atoms) tileops_mxfp4_rs_pairs<true>(q[a], sc[a], o + 16 * a);
+    }
+  } else {
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+      if (a < atoms) tileops_mxfp4_rs_pairs<false>(q[a], sc[a], o + 16 * a);
     }
   }
 }
@@ -92,12 +132,13 @@ def packed_program(N: int, K: int, dtype: str, *, block_M: int, block_K: int, nu
                 T.copy(Sp[bx * (block_N // ATOM_ROWS), ko * atoms * 32], S_s)
                 # B_f's registers are written through their address, which TileLang does not
                 # see: the decode's order is the fragment's (prepack.py), checked by the tests.
-                # One call per atom: TileLang may split a tile row into TMA boxes, so only its
-                # own indexing finds an atom's words.
-                for a in T.unroll(atoms):
-                    T.call_extern("handle", RS_DECODE,
-                                  T.address_of(W_s[warp, a * 128 + lane * 4]),
-                                  T.address_of(S_s[warp, a * 32 + lane // 4 * 4]), B_f.data, a)
+                # Each atom's address comes from TileLang's own indexing: it may split a tile
+                # row into TMA boxes.
+                at = [(T.address_of(W_s[warp, a * 128 + lane * 4]),
+                       T.address_of(S_s[warp, a * 32 + lane // 4 * 4])) for a in range(atoms)]
+                at += [at[0]] * (4 - atoms)
+                T.call_extern("handle", RS_DECODE, atoms, B_f.data, *at[0], *at[1], *at[2],
+                              *at[3])
                 T.gemm(B_f, A_s, C_f, transpose_B=True)
             gpu_tiles.store(C_f, C, partials, by * block_M, bx * block_N, bz, 1, partial)
 
@@ -126,19 +167,31 @@ def packed_program(N: int, K: int, dtype: str, *, block_M: int, block_K: int, nu
 def cpu_packed_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int, block_K: int):
     """The CPU form of `packed_program`: the same tiles as `cpu_program`, each element found in
     the prepacked layout by the index arithmetic of prepack.py (which CI checks this way)."""
+    def pick(table, i):
+        value = T.uint32(table[-1])
+        for j in range(len(table) - 2, -1, -1):
+            value = T.if_then_else(i == j, T.uint32(table[j]), value)
+        return value
+
     def element(Wp, Sp, table, n, k):
         rr, kk = n % ATOM_ROWS, k % ATOM_K
         half, r8, c8 = rr // 8, rr % 8, kk % 8
         pair = kk % 16 // 8 * 2 + half
         lane = r8 * 4 + c8 // 2
-        word = Wp[n // ATOM_ROWS, k // ATOM_K * 128 + lane * 4 + kk // 16]
-        nibble = T.if_then_else(c8 % 2 == 0, 3 - pair, 7 - pair)
-        code = T.bitwise_and(T.shift_right(T.cast(word, "uint32"), T.cast(nibble, "uint32") * 4),
-                             T.uint32(15))
+        word = T.cast(Wp[n // ATOM_ROWS, k // ATOM_K * 128 + lane * 4 + kk // 16], "uint32")
+        at = T.cast(c8 % 2 * 16, "uint32")
+        magnitude = T.bitwise_and(T.shift_right(word, pick(MAGNITUDE, pair) + at), T.uint32(7))
+        sign = T.bitwise_and(T.shift_right(word, pick(SIGN, pair) + at), T.uint32(1))
+        code = T.bitwise_or(magnitude, T.shift_left(sign, T.uint32(3)))
         slot = r8 * 4 + kk // BLOCK * 2 + half
         bf16 = T.bitwise_and(T.cast(Sp[n // ATOM_ROWS, k // ATOM_K * 32 + slot], "uint32"),
                              T.uint32(0xFFFF))
-        return code_value_bits(code) * T.reinterpret(T.shift_left(bf16, T.uint32(16)), "float32")
+        scale = T.reinterpret(T.shift_left(bf16, T.uint32(16)), "float32")
+        # The scale is stored times 2^126 (or negative, beyond bf16 so); 2^-126 is applied in
+        # two halves, as no normal float holds code 1's 2^-127 (flushed to zero by fast math).
+        value = code_value_bits(code)
+        half = T.float32(2.0 ** -63)
+        return T.if_then_else(scale < 0, value * -scale, value * half * (scale * half))
 
     return cpu_tiles(N, K, dtype, (N // ATOM_ROWS, K // ATOM_K * 128), "int32",
                       (N // ATOM_ROWS, K // ATOM_K * 32), "int16", element, False,

@@ -9,12 +9,18 @@ eight elements of its A fragment: rows r = l // 4 and r + 8, columns c, c + 1, c
 
   words  (N / 16, K / 64 * 128) int32: atom (R, a) at row R, columns 128 a ... 128 a + 127, lane l's
          word s at 4 l + s. Fragment element n of the word (pair p = n // 2: rows r, r + 8, r, r + 8
-         for p = 0 ... 3; n % 2 the column's low bit) sits in nibble 3 - p (n even) or 7 - p (n odd):
-         shifted left by 4 p, the pair's codes start at bits 12 and 28, where a bf16 pair keeps its
-         signs (15, 31) six places above its lowest exponent and top mantissa bits (6..8, 22..24).
-  scales (N / 16, K / 64 * 32) int16: the bf16 bit pattern of 2^(e - 127) (e = 0: the subnormal
-         0x0040; 255: NaN 0x7FC0), atom (R, a) at 32 a + 4 (row % 8) + 2 b + h for row 16 R + 8 h +
-         row % 8 and scale block b of the atom's two: a lane's four scales are one 8-byte load.
+         for p = 0 ... 3; n % 2 the column's low bit) lies in half n % 2 of the word, its
+         magnitude (the code's low three bits) at bit MAGNITUDE[p] of the half and its sign at
+         bit SIGN[p]. A bf16 pair keeps its signs at bits 15 and 31 and its lowest exponent and
+         top mantissa bits at 6..8 and 22..24: pair 2 is there already (one mask), pair 0 one
+         shift away (sign nine bits above the magnitude), pairs 1 and 3 two shifts: 11 integer
+         instructions for a word's eight values (`packed_kernels.RS_SOURCE`).
+  scales (N / 16, K / 64 * 32) int16: bf16 bit patterns, atom (R, a) at 32 a + 4 (row % 8) + 2 b + h
+         for row 16 R + 8 h + row % 8 and scale block b of the atom's two: a lane's four scales
+         are one 8-byte load. A decoded pair read as bf16 is its values times 2^-126, so the
+         scale 2^(e - 127) is stored times 2^126, as 2^(e - 1), for e <= 128; NaN (e = 255)
+         as 0x7FC0; e = 129 ... 254, beyond bf16 once multiplied, as -2^(e - 127), the sign
+         telling the kernel to multiply by -2^126 first (exact either way, rounded once).
 
 The layout is the same for every tile size of the kernel; `LAYOUT` names it in records and errors.
 `unpack` gives back the OCP tensors bit for bit.
@@ -28,8 +34,9 @@ import torch
 
 from .constants import ATOM_K, ATOM_ROWS, BLOCK
 from .format import check_packed
+from .packed_kernels import MAGNITUDE, SIGN
 
-LAYOUT = "sm90-rs-atom16x64"
+LAYOUT = "sm90-rs-atom16x64-v2"
 
 
 @dataclass(frozen=True)
@@ -51,16 +58,18 @@ class PrepackedMxfp4:
         return unpack(self)
 
 
-def _fragment_index(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For (lane, word, nibble): the element's row and column within its atom."""
+def _fragment_index(device: torch.device) -> tuple[torch.Tensor, ...]:
+    """For (lane, word, fragment element n): the element's row and column within its atom, and
+    the bits of the word where its magnitude and its sign lie."""
     lane = torch.arange(32, device=device).view(32, 1, 1)
     word = torch.arange(4, device=device).view(1, 4, 1)
-    nib = torch.arange(8, device=device).view(1, 1, 8)
-    # nibble -> fragment element n: nibble 3 - p holds n = 2 p, nibble 7 - p holds n = 2 p + 1
-    n = torch.where(nib < 4, 2 * (3 - nib), 2 * (7 - nib) + 1)
+    n = torch.arange(8, device=device).view(1, 1, 8)
     row = lane // 4 + 8 * ((n // 2) % 2)
     col = 16 * word + 8 * (n // 4) + 2 * (lane % 4) + n % 2
-    return row.expand(32, 4, 8), col.expand(32, 4, 8), nib.expand(32, 4, 8)
+    half = 16 * (n % 2)
+    magnitude = torch.tensor(MAGNITUDE, device=device)[n // 2] + half
+    sign = torch.tensor(SIGN, device=device)[n // 2] + half
+    return tuple(t.expand(32, 4, 8) for t in (row, col, magnitude, sign))
 
 
 def _scale_index(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,16 +94,19 @@ def prepack_mxfp4(w_fp4: torch.Tensor, w_scale: torch.Tensor) -> PrepackedMxfp4:
     _check_shape(N, K)
     dev = w_fp4.device
     fp4 = w_fp4.contiguous()
-    codes = torch.stack((fp4 & 15, fp4 >> 4), dim=-1).view(N, K).to(torch.int32)
+    codes = torch.stack((fp4 & 15, fp4 >> 4), dim=-1).view(N, K).to(torch.int64)
     atoms = codes.view(N // ATOM_ROWS, ATOM_ROWS, K // ATOM_K, ATOM_K)
-    row, col, nib = _fragment_index(dev)
+    row, col, magnitude, sign = _fragment_index(dev)
     picked = atoms[:, row, :, col]  # (32, 4, 8, N/16, K/64): advanced indices go first
-    words = (picked << (4 * nib).view(32, 4, 8, 1, 1)).sum(dim=2, dtype=torch.int64)
+    placed = (((picked & 7) << magnitude.view(32, 4, 8, 1, 1))
+              | ((picked >> 3) << sign.view(32, 4, 8, 1, 1)))
+    words = placed.sum(dim=2, dtype=torch.int64)
     words = words.permute(2, 3, 0, 1).reshape(N // ATOM_ROWS, K // ATOM_K * 128)
     words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
     e = w_scale.contiguous().to(torch.int32)
-    bf16 = torch.where(e == 0, 0x0040, torch.where(e == 255, 0x7FC0, e << 7))
+    bf16 = torch.where(e <= 128, (e + 126) << 7,
+                       torch.where(e == 255, 0x7FC0, 0x8000 | (e << 7)))
     blocks = bf16.view(N // ATOM_ROWS, ATOM_ROWS, K // ATOM_K, ATOM_K // BLOCK)
     srow, sblock = _scale_index(dev)
     scales = blocks[:, srow, :, sblock]  # (32, N/16, K/64)
@@ -108,8 +120,10 @@ def unpack(packed: PrepackedMxfp4) -> tuple[torch.Tensor, torch.Tensor]:
     N, K, dev = packed.N, packed.K, packed.words.device
     words = packed.words.to(torch.int64) & 0xFFFFFFFF
     words = words.view(N // ATOM_ROWS, K // ATOM_K, 32, 4).permute(2, 3, 0, 1)  # (32,4,R,A)
-    row, col, nib = _fragment_index(dev)
-    nibbles = (words.unsqueeze(2) >> (4 * nib).view(32, 4, 8, 1, 1)) & 15  # (32,4,8,R,A)
+    row, col, magnitude, sign = _fragment_index(dev)
+    words = words.unsqueeze(2)  # (32, 4, 1, R, A)
+    nibbles = (((words >> magnitude.view(32, 4, 8, 1, 1)) & 7)
+               | (((words >> sign.view(32, 4, 8, 1, 1)) & 1) << 3))  # (32, 4, 8, R, A)
     atoms = torch.empty(N // ATOM_ROWS, ATOM_ROWS, K // ATOM_K, ATOM_K, dtype=torch.int64,
                         device=dev)
     atoms[:, row, :, col] = nibbles
@@ -122,5 +136,6 @@ def unpack(packed: PrepackedMxfp4) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = torch.empty(N // ATOM_ROWS, ATOM_ROWS, K // ATOM_K, ATOM_K // BLOCK,
                          dtype=torch.int32, device=dev)
     blocks[:, srow, :, sblock] = bits
-    e = torch.where(blocks == 0x0040, 0, torch.where(blocks == 0x7FC0, 255, blocks >> 7))
+    e = torch.where(blocks == 0x7FC0, 255,
+                    torch.where(blocks >= 0x8000, (blocks >> 7) & 0xFF, (blocks >> 7) - 126))
     return w_fp4, e.view(N, K // BLOCK).to(torch.uint8)
