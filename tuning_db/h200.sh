@@ -77,8 +77,10 @@ slice() {  # sets ms, space, sampler, trials, extra for OP SLICE
         "threads": [256], "persistent": [0, 1]}' ;;
     attention_paged:all)  # the paged kernel's whole space (configs/attention_paged.toml)
       ms=""; dtype=bfloat16 ;;
-    attention_backward:all)  # the backward's whole space over the attention suite's problems
-      ms=""; dtype=bfloat16; suite=attention ;;
+    attention_backward:all)  # over the attention suite's problems: 128-key tiles, two consumer
+      # warpgroups, the hand schedules (64-key tiles or one warpgroup lose by 40%: NOTES.md)
+      ms=""; dtype=bfloat16; suite=attention; space='{"block_M": [64, 128], "block_N": [128],
+        "num_stages": [1, 2], "threads": [256], "overlap": [1, 2]}' ;;
     mla_decode:all)  # the whole space, searched by TPE until it stops improving
       ms=""; dtype=bfloat16; sampler=tpe trials=24; extra=(--patience 8) ;;
     *) usage ;;
