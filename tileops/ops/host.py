@@ -9,9 +9,12 @@ records stale. No kernel module imports this one.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 import torch
+
+V = TypeVar("V")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -19,6 +22,22 @@ DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Shared memory (LDS on AMD, threadgroup memory on Apple) one thread block may use, by arch (bytes).
 SMEM_LIMIT = {"sm_90": 227 * 1024, "sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024,
               "gfx950": 160 * 1024, "apple": 32 * 1024}
+
+
+class Once(Generic[V]):
+    """What a baseline derives from one call's arguments (a copy, a forward), made on its first
+    run and kept: a benchmark times the baseline again and again on one call's arguments, so it
+    times the baseline's kernels alone."""
+
+    __slots__ = ("_made", "_value")
+
+    def __init__(self) -> None:
+        self._made, self._value = False, None
+
+    def get(self, make: Callable[[], V]) -> V:
+        if not self._made:
+            self._value, self._made = make(), True
+        return self._value
 
 
 def dtype_name(dtype: torch.dtype) -> str:

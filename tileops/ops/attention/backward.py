@@ -23,7 +23,7 @@ import torch
 
 from ...spec import Backend, Call, Config, check_scale
 from ...target import Target
-from ..host import DTYPE_NAMES, DTYPE_SIZES, BitsAdapter, dtype_name, smem_limit
+from ..host import DTYPE_NAMES, DTYPE_SIZES, BitsAdapter, Once, dtype_name, smem_limit
 from . import backward_kernels
 from .spec import (
     _ACCEPTED,
@@ -40,22 +40,17 @@ _WHO = "flash_attention backward"
 _BEFORE_SM90 = "the backward's dQ reduce-add is a TMA store, which sm_90 brings"
 
 
-class SdpaBackward:
+class SdpaBackward(Once):
     """The baseline's forward, made at most once per call's arguments, and its backward run on
     it: cuDNN's backward called directly where it takes the problem, else torch autograd through
     SDPA's graph (kept, `retain_graph`)."""
 
-    __slots__ = ("_state",)
-
-    def __init__(self) -> None:
-        self._state: tuple | None = None
+    __slots__ = ()
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
             causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
         qt, kt, vt, gt = (t.transpose(1, 2) for t in (q, k, v, grad_out))
-        if self._state is None:
-            self._state = self._forward(qt, kt, vt, causal, scale)
-        kind, state = self._state
+        kind, state = self.get(lambda: self._forward(qt, kt, vt, causal, scale))
         if kind == "cudnn":
             out, lse, cum_q, cum_k, max_q, max_k, seed, offset = state
             grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(

@@ -35,7 +35,7 @@ import torch
 from ... import autotune
 from ...spec import Backend, Call, Config, OpSpec, Space, check_scale, pow2_bucket, refuse_grad
 from ...target import Target
-from ..host import DTYPE_NAMES, DTYPE_SIZES, DTYPES, BitsAdapter, dtype_name
+from ..host import DTYPE_NAMES, DTYPE_SIZES, DTYPES, BitsAdapter, Once, dtype_name
 from . import kernels
 from .spec import ATTENTION, HEAD_DIMS, _attention, _check_gpu, _visible_pairs
 
@@ -57,25 +57,23 @@ class PagedProblem(NamedTuple):
     dtype: str
 
 
-class DenseKV:
+class DenseKV(Once):
     """The cache's keys and values gathered into contiguous (batch, seqlen, heads, dim) K and V
     for the baseline, made at most once per call (a benchmark times the baseline again and again
     on one call's arguments). Every sequence must have the same length: the dense batch's."""
 
-    __slots__ = ("_kv",)
+    __slots__ = ()
 
-    def __init__(self) -> None:
-        self._kv: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def get(self, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
-            table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._kv is None:
+    def of(self, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
+           table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def make() -> tuple[torch.Tensor, torch.Tensor]:
             length = int(lengths[0])
             if not bool((lengths == length).all()):
                 raise ValueError("the paged baseline (the dense kernel) needs every cache "
                                  "sequence at one length")
-            self._kv = tuple(gather(cache, table, length) for cache in (k_cache, v_cache))
-        return self._kv
+            return gather(k_cache, table, length), gather(v_cache, table, length)
+
+        return self.get(make)
 
 
 def gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
@@ -261,7 +259,7 @@ class AttentionPagedSpec(OpSpec):
     def launch_baseline(self, args: PagedArgs) -> tuple[torch.Tensor, torch.Tensor]:
         from ...dispatch import DISPATCHER
 
-        k, v = args.dense.get(args.k_cache, args.v_cache, args.cache_seqlens, args.block_table)
+        k, v = args.dense.of(args.k_cache, args.v_cache, args.cache_seqlens, args.block_table)
         return DISPATCHER(ATTENTION, args.q, k, v, args.causal, None)
 
     def reported_beside(self, args: PagedArgs) -> dict[str, Any]:

@@ -39,7 +39,15 @@ import torch
 
 from ...spec import Backend, Call, Config, OpSpec, Space, check_scale, pow2_bucket, refuse_grad
 from ...target import Target
-from ..host import DTYPE_NAMES, DTYPE_SIZES, DTYPES, BitsAdapter, dtype_name, smem_limit
+from ..host import (
+    DTYPE_NAMES,
+    DTYPE_SIZES,
+    DTYPES,
+    BitsAdapter,
+    Once,
+    dtype_name,
+    smem_limit,
+)
 from . import kernels
 
 SUPPORTED = {"cuda": ("float16", "bfloat16"), "cpu": ("float32", "float16", "bfloat16")}
@@ -77,25 +85,20 @@ def _chunked(problem: AttentionProblem) -> bool:
     return problem.causal and problem.seqlen_q < problem.seqlen_kv
 
 
-class RepeatedKV:
+class RepeatedKV(Once):
     """K and V with their heads repeated up to the query heads, made at most once per call, for
     the memory-efficient baseline (it takes equal head counts). A benchmark times the baseline
     again and again on one call's arguments, so it times the kernel alone: the strongest form of
     the baseline for grouped heads; dispatch, which would pay the copy at every call, does not run
     it for them (`dispatches_baseline`)."""
 
-    __slots__ = ("_kv",)
+    __slots__ = ()
 
-    def __init__(self) -> None:
-        self._kv: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def get(self, kt: torch.Tensor, vt: torch.Tensor, group: int
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+    def of(self, kt: torch.Tensor, vt: torch.Tensor, group: int
+           ) -> tuple[torch.Tensor, torch.Tensor]:
         if group == 1:
             return kt, vt
-        if self._kv is None:
-            self._kv = (kt.repeat_interleave(group, 1), vt.repeat_interleave(group, 1))
-        return self._kv
+        return self.get(lambda: (kt.repeat_interleave(group, 1), vt.repeat_interleave(group, 1)))
 
 
 def _cuda_default(problem: AttentionProblem, target: Target, space: Space) -> Config:
@@ -314,7 +317,7 @@ class AttentionSpec(OpSpec):
             # memory-efficient kernel masks bottom-right (custom_mask_type 2) and returns the lse
             # in the same pass. (With Sq > Skv its rows past the first Sq - Skv do not follow
             # that alignment: measured on the H200, so those calls keep the masked SDPA below.)
-            kt, vt = repeated.get(kt, vt, q.shape[2] // k.shape[2])
+            kt, vt = repeated.of(kt, vt, q.shape[2] // k.shape[2])
             out, lse = torch.ops.aten._efficient_attention_forward(
                 q, kt.transpose(1, 2), vt.transpose(1, 2), None, None, None, None, None, 0.0, 2,
                 True)[:2]

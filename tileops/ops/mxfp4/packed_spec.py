@@ -15,6 +15,7 @@ from ...spec import Backend, Call, Config, Space, refuse_grad
 from ...target import Target
 from ..host import (
     BitsAdapter,
+    Once,
     check_decode_knobs,
     decode_split_k,
     dtype_name,
@@ -30,18 +31,17 @@ from .spec import Mxfp4GemmSpec, Mxfp4Problem, _rows_for
 SUPPORTED = ("bfloat16",)  # the decode builds bf16 pairs
 
 
-class PackedArgs:
+class PackedArgs(Once):
     """A call's prepacked weight, and its dense form once the baseline has needed it."""
 
-    __slots__ = ("packed", "_dense")
+    __slots__ = ("packed",)
 
     def __init__(self, packed: PrepackedMxfp4):
-        self.packed, self._dense = packed, None
+        super().__init__()
+        self.packed = packed
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
-        if self._dense is None:
-            self._dense = dequantize_mxfp4(*unpack(self.packed), dtype)
-        return self._dense
+        return self.get(lambda: dequantize_mxfp4(*unpack(self.packed), dtype))
 
 
 def _cpu_default(problem: Mxfp4Problem, target: Target, space: Space) -> Config:
