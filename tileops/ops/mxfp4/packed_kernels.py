@@ -217,8 +217,8 @@ def cpu_packed_program(N: int, K: int, dtype: str, *, block_M: int, block_N: int
         # The scale is stored times 2^126 (or negative, beyond bf16 so); 2^-126 is applied in
         # two halves, as no normal float holds code 1's 2^-127 (flushed to zero by fast math).
         value = code_value_bits(code)
-        half = T.float32(2.0 ** -63)
-        return T.if_then_else(scale < 0, value * -scale, value * half * (scale * half))
+        root = T.float32(2.0 ** -63)  # the square root of 2^-126
+        return T.if_then_else(scale < 0, value * -scale, value * root * (scale * root))
 
     return cpu_tiles(N, K, dtype, (N // ATOM_ROWS, K // ATOM_K * 128), "int32",
                       (N // ATOM_ROWS, K // ATOM_K * 32), "int16", element, False,
