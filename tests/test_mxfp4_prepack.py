@@ -111,19 +111,6 @@ def test_the_decoded_weight_feeds_wgmma_from_registers():
     assert "partials" in src  # the default splits K for 4096 x 4096 (64 tiles on 132 SMs)
 
 
-def test_resident_activations_load_once_and_products_overlap_the_next_decode():
-    """resident 1: the split's activations arrive by one barrier before the loop; each half of a
-    stage decodes, issues its product asynchronously and waits only for the one before it."""
-    src = source(16, 8192, 8192, resident=1, split_k=4, block_K=128)
-    loop = src[src.index("tileops_mxfp4_rs_decode(2"):src.index("__sync_thread_partial")]
-    assert loop.count("tileops_mxfp4_rs_decode(") == 2
-    assert loop.count("wait_wgmma<1>") == 2 and loop.count("wait_wgmma<0>") == 1
-    assert loop.rindex("wait_wgmma<1>") < loop.index("wait_wgmma<0>")
-    problem = MXFP4_GEMM_PACKED.parse_problem("8x2880x2880", "bfloat16")
-    config = {**MXFP4_GEMM_PACKED.default_config(problem, H200), "resident": 1}
-    assert "in pairs" in MXFP4_GEMM_PACKED.check_config(problem, config, H200)
-
-
 def test_shared_sms_cap_registers_without_setmaxnreg():
     """Two CTAs per SM: the launch bound caps registers, and no consumer waits on setmaxnreg for
     registers a producer may never hold (a hang where ptxas allots fewer than the cap)."""

@@ -95,54 +95,39 @@ def thread_regs(ctas_per_sm: int) -> int:
 
 
 def packed_program(N: int, K: int, dtype: str, *, block_M: int, block_K: int, num_stages: int,
-                   threads: int, split_k: int = 1, ctas_per_sm: int = 1, resident: int = 0):
+                   threads: int, split_k: int = 1, ctas_per_sm: int = 1):
     """The prepacked weight's kernel (Hopper): C^T = W X^T with the weight decoded in registers
     as wgmma's A operand and never written back to shared memory. Each consumer warp owns one
     16-row atom row, so block_N = threads / 2; block_M tokens ride wgmma's N side. The weight's
     words and scales arrive by TMA, a K step per pipeline stage; split-K as `gpu_tiles` does it.
     `ctas_per_sm` > 1 caps registers (`thread_regs`) so that CTAs share an SM: one CTA's decode
     runs while another's wgmma and loads are in flight. No setmaxnreg then: a consumer growing
-    past its share would wait forever for registers wherever ptxas allotted the kernel fewer.
-    `resident` 1: the split's activations are loaded once, so no stage waits on a product; a
-    stage holds two K steps, each decoded into its own fragment, its product issued
-    asynchronously and only the one before it waited for, so the tensor cores work under the
-    next decode."""
+    past its share would wait forever for registers wherever ptxas allotted the kernel fewer."""
     M = T.dynamic("m")
     block_N = threads // 32 * ATOM_ROWS
     atoms = block_K // ATOM_K
     k_steps = K // block_K // split_k  # check_config: block_K and split_k divide K's steps
     partial = split_k > 1
 
-    pair = 2 if resident else 1  # K steps a stage holds
-    steps = k_steps // pair
-
     @T.macro
-    def decode(W_s, S_s, fragment, first, warp, lane):
+    def decode(W_s, S_s, fragment, warp, lane):
         # The fragment's registers are written through their address, which TileLang does not
         # see: the decode's order is the fragment's (prepack.py), checked by the tests. Each
         # atom's address comes from TileLang's own indexing: it may split a tile row into TMA
         # boxes.
-        at = [(T.address_of(W_s[warp, (first + a) * 128 + lane * 4]),
-               T.address_of(S_s[warp, (first + a) * 32 + lane // 4 * 4])) for a in range(atoms)]
+        at = [(T.address_of(W_s[warp, a * 128 + lane * 4]),
+               T.address_of(S_s[warp, a * 32 + lane // 4 * 4])) for a in range(atoms)]
         at += [at[0]] * (4 - atoms)
         T.call_extern("handle", RS_DECODE, atoms, fragment.data, *at[0], *at[1], *at[2], *at[3])
-
-    @T.macro
-    def resident_step(W_s, S_s, A_s, fragment, C_f, h, step, warp, lane):
-        decode(W_s, S_s, fragment, h * atoms, warp, lane)
-        T.wgmma_gemm(fragment, A_s[:, step * block_K:(step + 1) * block_K], C_f, transpose_B=True)
-        T.wait_wgmma(1)  # the other fragment's product is done: it may be decoded into again
 
     @T.macro
     def tiles(A, Wp, Sp, C, partials):
         with T.Kernel(T.ceildiv(N, block_N), T.ceildiv(M, block_M), split_k,
                       threads=threads) as (bx, by, bz):
-            A_s = T.alloc_shared((block_M, k_steps * block_K if resident else block_K), dtype)
-            W_s = T.alloc_shared((block_N // ATOM_ROWS, pair * atoms * 128), "int32")
-            S_s = T.alloc_shared((block_N // ATOM_ROWS, pair * atoms * 32), "int16")
+            A_s = T.alloc_shared((block_M, block_K), dtype)
+            W_s = T.alloc_shared((block_N // ATOM_ROWS, atoms * 128), "int32")
+            S_s = T.alloc_shared((block_N // ATOM_ROWS, atoms * 32), "int16")
             B_f = T.alloc_fragment((block_N, block_K), dtype)
-            if resident:
-                B_f1 = T.alloc_fragment((block_N, block_K), dtype)
             C_f = gpu_tiles.accumulator(block_M, block_N, 1)
             T.import_source(RS_SOURCE)
             if ctas_per_sm > 1:
@@ -151,22 +136,13 @@ def packed_program(N: int, K: int, dtype: str, *, block_M: int, block_K: int, nu
             tx = T.get_thread_binding()
             warp, lane = tx // 32, tx % 32
             T.clear(C_f)
-            if resident:
-                T.copy(A[by * block_M, bz * k_steps * block_K], A_s)
-            for k in T.Pipelined(steps, num_stages=num_stages):
-                ko = bz * steps + k
-                if not resident:
-                    T.copy(A[by * block_M, ko * block_K], A_s)
-                T.copy(Wp[bx * (block_N // ATOM_ROWS), ko * pair * atoms * 128], W_s)
-                T.copy(Sp[bx * (block_N // ATOM_ROWS), ko * pair * atoms * 32], S_s)
-                if resident:
-                    resident_step(W_s, S_s, A_s, B_f, C_f, 0, 2 * k, warp, lane)
-                    resident_step(W_s, S_s, A_s, B_f1, C_f, 1, 2 * k + 1, warp, lane)
-                else:
-                    decode(W_s, S_s, B_f, 0, warp, lane)
-                    T.gemm(B_f, A_s, C_f, transpose_B=True)
-            if resident:
-                T.wait_wgmma(0)
+            for k in T.Pipelined(k_steps, num_stages=num_stages):
+                ko = bz * k_steps + k
+                T.copy(A[by * block_M, ko * block_K], A_s)
+                T.copy(Wp[bx * (block_N // ATOM_ROWS), ko * atoms * 128], W_s)
+                T.copy(Sp[bx * (block_N // ATOM_ROWS), ko * atoms * 32], S_s)
+                decode(W_s, S_s, B_f, warp, lane)
+                T.gemm(B_f, A_s, C_f, transpose_B=True)
             gpu_tiles.store(C_f, C, partials, by * block_M, bx * block_N, bz, 1, partial)
 
     if not partial:

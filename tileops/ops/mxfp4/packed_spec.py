@@ -76,23 +76,15 @@ def _check_cuda(problem: Mxfp4Problem, config: Config, target: Target) -> str | 
     if problem.N % block_N:
         return f"{threads} threads take {block_N} weight rows, which do not divide N = {problem.N}"
     stages, ctas = config["num_stages"], config.get("ctas_per_sm", 1)
-    resident = config.get("resident", 0)
     weight = block_N * bk // 2 + block_N * bk // BLOCK * 2  # a K step's words and scales
-    if resident:  # the split's activations, and stages of two K steps
-        steps = problem.K // bk // config.get("split_k", 1)
-        if steps % 2:
-            return f"resident activations take K steps in pairs, not {steps} a split"
-        smem = bm * bk * steps * 2 + stages * 2 * weight + bm * block_N * 4
-    else:
-        smem = stages * (bm * bk * 2 + weight) + bm * block_N * 4
+    smem = stages * (bm * bk * 2 + weight) + bm * block_N * 4
     limit = smem_limit(target.arch)
     if ctas * (smem + 1024) > limit + 1024:  # an SM: the block limit + 1 KiB, 1 KiB per block
         return f"shared memory {ctas} x {smem // 1024} KiB > {limit // 1024} KiB"
-    regs = packed_kernels.thread_regs(ctas)  # fragments + accumulators + ~40 (in the SASS)
-    fragments = 2 if resident else 1
-    if fragments * bk // 4 + bm * block_N // 128 + 40 > regs:
-        return (f"{ctas} CTAs per SM leave {regs} registers per thread, too few for "
-                f"{fragments} {bk}-deep decoded fragment(s) and {bm} tokens")
+    regs = packed_kernels.thread_regs(ctas)  # fragment + accumulators + ~40 (in the SASS)
+    if bk // 4 + bm * block_N // 128 + 40 > regs:
+        return (f"{ctas} CTAs per SM leave {regs} registers per thread, too few for a "
+                f"{bk}-deep decoded fragment and {bm} tokens")
     knobs = {**config, "block_N": block_N, "swap_ab": 1}
     return check_decode_knobs(problem.M, problem.K, knobs, target.arch, min_block_M=16)
 
