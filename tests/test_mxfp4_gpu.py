@@ -147,7 +147,11 @@ PACKED_CASES = [  # (M, N, K, config overrides): defaults (split-K), odd M, 64-d
     (16, 8192, 8192, {"ctas_per_sm": 2, "split_k": 2}),
     (5, 4096, 14336, {"ctas_per_sm": 3, "block_K": 128, "num_stages": 3}),
     (32, 6144, 4096, {"ctas_per_sm": 3, "block_M": 32, "block_K": 64, "num_stages": 4}),
-    (8, 2880, 2880, {})]  # gpt-oss: 192-deep steps split by 3
+    (8, 2880, 2880, {}),  # gpt-oss: 192-deep steps split by 3
+    # two 64-row groups sharing the activation tile
+    (16, 8192, 8192, {"block_N": 128, "split_k": 2}),
+    (7, 6144, 2880, {"block_N": 128, "block_K": 64, "split_k": 1}),
+    (64, 4096, 14336, {"block_M": 64, "block_N": 128, "block_K": 128, "ctas_per_sm": 1})]
 
 
 @pytest.mark.parametrize(("M", "N", "K", "overrides"), PACKED_CASES)
@@ -170,14 +174,14 @@ def test_prepacked_weight_cuda(M, N, K, overrides):
     assert torch.equal(packed.unpack()[0], w_fp4)
 
 
-@pytest.mark.parametrize("block_K", [64, 256])
-def test_prepacked_every_code_under_every_scale_decodes_exactly_cuda(block_K):
+@pytest.mark.parametrize(("block_K", "block_N"), [(64, 64), (256, 64), (64, 128)])
+def test_prepacked_every_code_under_every_scale_decodes_exactly_cuda(block_K, block_N):
     """As the OCP kernels' test above: the decoded weight, bit for bit (NaN where the format's
     product is NaN), the scales folded with the decode's 2^-126 and those beyond bf16 so."""
     target = target_of(CUDA)
     a, w_fp4, w_scale = every_code_under_every_scale(block_K)  # one step of block_K atoms
     call = MXFP4_GEMM_PACKED.prepare(a, tileops.prepack_mxfp4(w_fp4, w_scale))
     config = {**MXFP4_GEMM_PACKED.default_config(call.problem, target), "split_k": 1,
-              "block_K": block_K}
+              "block_K": block_K, "block_N": block_N}
     kernel = dispatch.compile_kernel(MXFP4_GEMM_PACKED, call.problem, config, target)
     assert_decoded_exactly(MXFP4_GEMM_PACKED.launch(kernel, call.args), a, w_fp4, w_scale)

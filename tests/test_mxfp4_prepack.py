@@ -111,6 +111,18 @@ def test_the_decoded_weight_feeds_wgmma_from_registers():
     assert "partials" in src  # the default splits K for 4096 x 4096 (64 tiles on 132 SMs)
 
 
+def test_two_row_groups_share_the_activation_tile():
+    """block_N 128: each warp decodes its atom row of both 64-row groups into the one fragment,
+    each group's product into its own accumulator, the activation stage waited for once."""
+    src = source(16, 8192, 8192, block_N=128, split_k=2)
+    loop = src[src.index("for (int k_1"):src.index("__sync_thread_partial")]
+    assert loop.count("tileops_mxfp4_rs_decode(") == 2 and loop.count("wgmma_rs") == 2
+    assert "C_f + 0" in loop and "C_g + 0" in loop
+    problem = MXFP4_GEMM_PACKED.parse_problem("16x2880x2880", "bfloat16")
+    config = {**MXFP4_GEMM_PACKED.default_config(problem, H200), "block_N": 128}
+    assert "divide N" in MXFP4_GEMM_PACKED.check_config(problem, config, H200)
+
+
 def test_shared_sms_cap_registers_without_setmaxnreg():
     """Two CTAs per SM: the launch bound caps registers, and no consumer waits on setmaxnreg for
     registers a producer may never hold (a hang where ptxas allots fewer than the cap)."""

@@ -95,28 +95,32 @@ def thread_regs(ctas_per_sm: int) -> int:
 
 
 def packed_program(N: int, K: int, dtype: str, *, block_M: int, block_K: int, num_stages: int,
-                   threads: int, split_k: int = 1, ctas_per_sm: int = 1):
+                   threads: int, block_N: int = 64, split_k: int = 1, ctas_per_sm: int = 1):
     """The prepacked weight's kernel (Hopper): C^T = W X^T with the weight decoded in registers
-    as wgmma's A operand and never written back to shared memory. Each consumer warp owns one
-    16-row atom row, so block_N = threads / 2; block_M tokens ride wgmma's N side. The weight's
+    as wgmma's A operand and never written back to shared memory. block_M tokens ride wgmma's N
+    side; the block_N weight rows are one or two groups of 64, one 16-row atom row of each per
+    consumer warp, decoded into one fragment and multiplied group after group into an
+    accumulator each, so that one activation tile serves both (at M = 16 it is as many bytes as
+    64 rows of weight). The weight's
     words and scales arrive by TMA, a K step per pipeline stage; split-K as `gpu_tiles` does it.
     `ctas_per_sm` > 1 caps registers (`thread_regs`) so that CTAs share an SM: one CTA's decode
     runs while another's wgmma and loads are in flight. No setmaxnreg then: a consumer growing
     past its share would wait forever for registers wherever ptxas allotted the kernel fewer."""
     M = T.dynamic("m")
-    block_N = threads // 32 * ATOM_ROWS
+    group = threads // 32 * ATOM_ROWS  # weight rows one wgmma takes: an atom row per warp
+    two = block_N == 2 * group  # check_config: block_N is one group or two
     atoms = block_K // ATOM_K
     k_steps = K // block_K // split_k  # check_config: block_K and split_k divide K's steps
     partial = split_k > 1
 
     @T.macro
-    def decode(W_s, S_s, fragment, warp, lane):
+    def decode(W_s, S_s, fragment, row, lane):
         # The fragment's registers are written through their address, which TileLang does not
         # see: the decode's order is the fragment's (prepack.py), checked by the tests. Each
         # atom's address comes from TileLang's own indexing: it may split a tile row into TMA
         # boxes.
-        at = [(T.address_of(W_s[warp, a * 128 + lane * 4]),
-               T.address_of(S_s[warp, a * 32 + lane // 4 * 4])) for a in range(atoms)]
+        at = [(T.address_of(W_s[row, a * 128 + lane * 4]),
+               T.address_of(S_s[row, a * 32 + lane // 4 * 4])) for a in range(atoms)]
         at += [at[0]] * (4 - atoms)
         T.call_extern("handle", RS_DECODE, atoms, fragment.data, *at[0], *at[1], *at[2], *at[3])
 
@@ -127,8 +131,10 @@ def packed_program(N: int, K: int, dtype: str, *, block_M: int, block_K: int, nu
             A_s = T.alloc_shared((block_M, block_K), dtype)
             W_s = T.alloc_shared((block_N // ATOM_ROWS, atoms * 128), "int32")
             S_s = T.alloc_shared((block_N // ATOM_ROWS, atoms * 32), "int16")
-            B_f = T.alloc_fragment((block_N, block_K), dtype)
-            C_f = gpu_tiles.accumulator(block_M, block_N, 1)
+            B_f = T.alloc_fragment((group, block_K), dtype)
+            C_f = gpu_tiles.accumulator(block_M, group, 1)
+            if two:
+                C_g = gpu_tiles.accumulator(block_M, group, 1)
             T.import_source(RS_SOURCE)
             if ctas_per_sm > 1:
                 T.annotate_min_blocks_per_sm(ctas_per_sm)
@@ -136,6 +142,8 @@ def packed_program(N: int, K: int, dtype: str, *, block_M: int, block_K: int, nu
             tx = T.get_thread_binding()
             warp, lane = tx // 32, tx % 32
             T.clear(C_f)
+            if two:
+                T.clear(C_g)
             for k in T.Pipelined(k_steps, num_stages=num_stages):
                 ko = bz * k_steps + k
                 T.copy(A[by * block_M, ko * block_K], A_s)
@@ -143,7 +151,13 @@ def packed_program(N: int, K: int, dtype: str, *, block_M: int, block_K: int, nu
                 T.copy(Sp[bx * (block_N // ATOM_ROWS), ko * atoms * 32], S_s)
                 decode(W_s, S_s, B_f, warp, lane)
                 T.gemm(B_f, A_s, C_f, transpose_B=True)
+                if two:
+                    decode(W_s, S_s, B_f, group // ATOM_ROWS + warp, lane)
+                    T.gemm(B_f, A_s, C_g, transpose_B=True)
             gpu_tiles.store(C_f, C, partials, by * block_M, bx * block_N, bz, 1, partial)
+            if two:
+                gpu_tiles.store(C_g, C, partials, by * block_M, bx * block_N + group, bz, 1,
+                                partial)
 
     if not partial:
         @T.prim_func

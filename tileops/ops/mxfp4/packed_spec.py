@@ -55,14 +55,14 @@ def _cuda_default(problem: Mxfp4Problem, target: Target, space: Space) -> Config
     block_K = next(bk for bk in (256, 192, 128, ATOM_K) if problem.K % bk == 0)
     block_M = min(max(problem.M, 16), 64)
     ctas = 2 if block_M <= 32 else 1
-    return {"block_M": block_M, "block_K": block_K, "num_stages": 4, "threads": 128,
+    return {"block_M": block_M, "block_N": 64, "block_K": block_K, "num_stages": 4, "threads": 128,
             "ctas_per_sm": ctas,
             "split_k": decode_split_k(problem.N, problem.K, 64, block_K, target.units or 132,
                                       powers_of_two=False)}
 
 
 def _check_cuda(problem: Mxfp4Problem, config: Config, target: Target) -> str | None:
-    bm, bk, threads = config["block_M"], config["block_K"], config["threads"]
+    bm, bn, bk, threads = config["block_M"], config["block_N"], config["block_K"], config["threads"]
     if not target.is_hopper:
         return ("the prepacked kernel feeds wgmma from registers: sm_90 only (call "
                 "mxfp4_gemm(a, w_fp4, w_scale) elsewhere)")
@@ -72,20 +72,20 @@ def _check_cuda(problem: Mxfp4Problem, config: Config, target: Target) -> str | 
         return f"block_K {bk}: {bk // 4} registers of decoded weight per thread (> 64)"
     if threads != 128:  # two warpgroups' A fragments are not laid out one atom row per warp
         return f"{threads} threads: the prepacked kernel has one consumer warpgroup (128)"
-    block_N = threads // 32 * ATOM_ROWS
-    if problem.N % block_N:
-        return f"{threads} threads take {block_N} weight rows, which do not divide N = {problem.N}"
+    group = threads // 32 * ATOM_ROWS  # weight rows per wgmma: an atom row per warp
+    if bn not in (group, 2 * group) or problem.N % bn:
+        return f"block_N {bn} must be {group} or {2 * group} and divide N = {problem.N}"
     stages, ctas = config["num_stages"], config.get("ctas_per_sm", 1)
-    weight = block_N * bk // 2 + block_N * bk // BLOCK * 2  # a K step's words and scales
-    smem = stages * (bm * bk * 2 + weight) + bm * block_N * 4
+    weight = bn * bk // 2 + bn * bk // BLOCK * 2  # a K step's words and scales
+    smem = stages * (bm * bk * 2 + weight) + bm * bn * 4
     limit = smem_limit(target.arch)
     if ctas * (smem + 1024) > limit + 1024:  # an SM: the block limit + 1 KiB, 1 KiB per block
         return f"shared memory {ctas} x {smem // 1024} KiB > {limit // 1024} KiB"
     regs = packed_kernels.thread_regs(ctas)  # fragment + accumulators + ~40 (in the SASS)
-    if bk // 4 + bm * block_N // 128 + 40 > regs:
+    if bk // 4 + bm * bn // 128 + 40 > regs:
         return (f"{ctas} CTAs per SM leave {regs} registers per thread, too few for a "
                 f"{bk}-deep decoded fragment and {bm} tokens")
-    knobs = {**config, "block_N": block_N, "swap_ab": 1}
+    knobs = {**config, "swap_ab": 1}
     return check_decode_knobs(problem.M, problem.K, knobs, target.arch, min_block_M=16)
 
 
