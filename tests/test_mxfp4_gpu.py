@@ -151,7 +151,12 @@ PACKED_CASES = [  # (M, N, K, config overrides): defaults (split-K), odd M, 64-d
     # two 64-row groups sharing the activation tile
     (16, 8192, 8192, {"block_N": 128, "split_k": 2}),
     (7, 6144, 2880, {"block_N": 128, "block_K": 64, "split_k": 1}),
-    (64, 4096, 14336, {"block_M": 64, "block_N": 128, "block_K": 128, "ctas_per_sm": 1})]
+    (64, 4096, 14336, {"block_M": 64, "block_N": 128, "block_K": 128, "ctas_per_sm": 1}),
+    # the K splits of a tile summed within their cluster
+    (16, 8192, 8192, {"split_k": 2, "cluster_sum": 1}),
+    (5, 4096, 14336, {"split_k": 8, "cluster_sum": 1, "block_K": 128}),
+    (33, 6144, 4096, {"split_k": 4, "cluster_sum": 1, "block_N": 128, "block_K": 128,
+                      "ctas_per_sm": 1})]
 
 
 @pytest.mark.parametrize(("M", "N", "K", "overrides"), PACKED_CASES)

@@ -123,6 +123,19 @@ def test_two_row_groups_share_the_activation_tile():
     assert "divide N" in MXFP4_GEMM_PACKED.check_config(problem, config, H200)
 
 
+def test_cluster_sum_adds_the_splits_in_one_kernel():
+    """cluster_sum 1: the splits of a tile are one cluster, each CTA sums its share of the rows
+    from every CTA's shared memory between two cluster barriers; no workspace, no second kernel."""
+    src = source(16, 8192, 8192, split_k=4, cluster_sum=1)
+    assert "partials" not in src and "_kernel_1" not in src  # no second kernel
+    assert src.count("tileops_cluster_sync();") == 2
+    assert src.count("tileops_cluster_load(") == 4 + 1  # four ranks, and the definition
+    problem = MXFP4_GEMM_PACKED.parse_problem("8x2880x2880", "bfloat16")  # 15 steps split by 3
+    config = {**MXFP4_GEMM_PACKED.default_config(problem, H200), "cluster_sum": 1}
+    assert "dividing the 16 tokens" in MXFP4_GEMM_PACKED.check_config(problem, config, H200)
+    assert MXFP4_GEMM_PACKED.check_config(problem, {**config, "cluster_sum": 0}, H200) is None
+
+
 def test_shared_sms_cap_registers_without_setmaxnreg():
     """Two CTAs per SM: the launch bound caps registers, and no consumer waits on setmaxnreg for
     registers a producer may never hold (a hang where ptxas allots fewer than the cap)."""

@@ -58,11 +58,11 @@ slice() {  # sets ms, space, sampler, trials, extra for OP SLICE
       # one or two 64-row groups per CTA; one CTA per SM never won here
       ms="1 16"; dtype=bfloat16; space='{"block_M": [16], "block_N": [64, 128],
         "block_K": [128, 256], "num_stages": [4], "threads": [128], "split_k": [1, 2, 4],
-        "ctas_per_sm": [2, 3]}' ;;
+        "ctas_per_sm": [2, 3], "cluster_sum": [0, 1]}' ;;
     mxfp4_gemm_packed:m64)
       ms="64"; dtype=bfloat16; space='{"block_M": [64], "block_N": [64, 128],
         "block_K": [128, 256], "num_stages": [4], "threads": [128], "split_k": [1, 2, 4],
-        "ctas_per_sm": [1, 2]}' ;;
+        "ctas_per_sm": [1, 2], "cluster_sum": [0, 1]}' ;;
     mxfp4_gemm:prefill)  # the weight decoded once, then the GEMM loop
       ms="256 1024 4096"; dtype=bfloat16; space='{"block_M": [64, 128], "block_N": [128, 256],
         "block_K": [64], "num_stages": [3, 4], "threads": [128, 256], "dequant": ["global"],

@@ -9,18 +9,40 @@ reading the weight:
 - `split_k` > 1 gives each of `split_k` CTAs per output tile a contiguous slice of the K steps,
   so that enough CTAs stream the weight at once. They write fp32 partials to a workspace
   (split_k, M, N), the program's last parameter `partials`, and `sum_partials` adds them into C
-  in a second kernel (`host.gpu_adapter` allocates the workspace at each call).
+  in a second kernel (`host.gpu_adapter` allocates the workspace at each call). On Hopper the
+  splits may instead form a thread-block cluster and sum in distributed shared memory
+  (`cluster_sum`): no workspace, no second kernel.
 
 `matmul` is the whole tile loop of C = A @ B with these knobs; the GEMM is that loop, the MXFP4
 GEMM's "global" strategy runs it on the weight it dequantised first.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the macro annotations.
+import functools
+import operator
+
 import tilelang.language as T
 
 from .common import ACCUM
 
 REDUCE_N = 256  # output columns per CTA of the split-K sum
+
+# A cluster's barrier (every thread of every CTA; release / acquire order shared memory) and a
+# load of the shared memory of the cluster's CTA `rank` at the address `p` has in this one.
+CLUSTER_SOURCE = r"""
+__device__ __forceinline__ void tileops_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
+               ::: "memory");
+}
+__device__ __forceinline__ float tileops_cluster_load(const float* p, int rank) {
+  const unsigned int local = static_cast<unsigned int>(__cvta_generic_to_shared(p));
+  unsigned int remote;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+"""
 
 
 def matmul(M, N: int, K: int, dtype: str, trans_b: bool, *, block_M: int, block_N: int,
@@ -96,6 +118,24 @@ def store(C_f, C, partials, m0, n0, split, swap_ab, partial):
         T.copy(C_f, partials[split, m0, n0])
     else:
         T.copy(C_f, C[m0, n0])
+
+
+@T.macro
+def cluster_sum(C_s, C, m, m0, n0, rank, split_k):
+    """C[m0:, n0:] = the sum of C_s (fp32, rows x cols) over a cluster's `split_k` CTAs, CTA
+    `rank` summing and writing its rows / split_k rows (rows past m dropped). The first barrier
+    makes every C_s whole before any is read, the second keeps each CTA (and its shared memory)
+    alive until the others have read it. The kernel imports `CLUSTER_SOURCE`."""
+    rows, cols = C_s.shape
+    part = rows // split_k  # the caller checks that split_k divides the rows
+    T.call_extern("handle", "tileops_cluster_sync")
+    for i, j in T.Parallel(part, cols):
+        row = rank * part + i
+        loads = [T.call_extern(ACCUM, "tileops_cluster_load", T.address_of(C_s[row, j]), s)
+                 for s in range(split_k)]
+        if m0 + row < m:
+            C[m0 + row, n0 + j] = functools.reduce(operator.add, loads)
+    T.call_extern("handle", "tileops_cluster_sync")
 
 
 @T.macro

@@ -95,14 +95,16 @@ def thread_regs(ctas_per_sm: int) -> int:
 
 
 def packed_program(N: int, K: int, dtype: str, *, block_M: int, block_K: int, num_stages: int,
-                   threads: int, block_N: int = 64, split_k: int = 1, ctas_per_sm: int = 1):
+                   threads: int, block_N: int = 64, split_k: int = 1, ctas_per_sm: int = 1,
+                   cluster_sum: int = 0):
     """The prepacked weight's kernel (Hopper): C^T = W X^T with the weight decoded in registers
     as wgmma's A operand and never written back to shared memory. block_M tokens ride wgmma's N
     side; the block_N weight rows are one or two groups of 64, one 16-row atom row of each per
     consumer warp, decoded into one fragment and multiplied group after group into an
     accumulator each, so that one activation tile serves both (at M = 16 it is as many bytes as
-    64 rows of weight). The weight's
-    words and scales arrive by TMA, a K step per pipeline stage; split-K as `gpu_tiles` does it.
+    64 rows of weight). The weight's words and scales arrive by TMA, a K step per pipeline
+    stage; split-K as `gpu_tiles` does it, its sum in a second kernel or, `cluster_sum` 1, among
+    the splits of a tile as one cluster (`gpu_tiles.cluster_sum`).
     `ctas_per_sm` > 1 caps registers (`thread_regs`) so that CTAs share an SM: one CTA's decode
     runs while another's wgmma and loads are in flight. No setmaxnreg then: a consumer growing
     past its share would wait forever for registers wherever ptxas allotted the kernel fewer."""
@@ -112,6 +114,8 @@ def packed_program(N: int, K: int, dtype: str, *, block_M: int, block_K: int, nu
     atoms = block_K // ATOM_K
     k_steps = K // block_K // split_k  # check_config: block_K and split_k divide K's steps
     partial = split_k > 1
+    cluster = partial and cluster_sum == 1
+    launch = {"cluster_dims": (1, 1, split_k)} if cluster else {}
 
     @T.macro
     def decode(W_s, S_s, fragment, row, lane):
@@ -127,7 +131,7 @@ def packed_program(N: int, K: int, dtype: str, *, block_M: int, block_K: int, nu
     @T.macro
     def tiles(A, Wp, Sp, C, partials):
         with T.Kernel(T.ceildiv(N, block_N), T.ceildiv(M, block_M), split_k,
-                      threads=threads) as (bx, by, bz):
+                      threads=threads, **launch) as (bx, by, bz):
             A_s = T.alloc_shared((block_M, block_K), dtype)
             W_s = T.alloc_shared((block_N // ATOM_ROWS, atoms * 128), "int32")
             S_s = T.alloc_shared((block_N // ATOM_ROWS, atoms * 32), "int16")
@@ -135,7 +139,7 @@ def packed_program(N: int, K: int, dtype: str, *, block_M: int, block_K: int, nu
             C_f = gpu_tiles.accumulator(block_M, group, 1)
             if two:
                 C_g = gpu_tiles.accumulator(block_M, group, 1)
-            T.import_source(RS_SOURCE)
+            T.import_source(RS_SOURCE + (gpu_tiles.CLUSTER_SOURCE if cluster else ""))
             if ctas_per_sm > 1:
                 T.annotate_min_blocks_per_sm(ctas_per_sm)
                 T.no_set_max_nreg()
@@ -154,12 +158,21 @@ def packed_program(N: int, K: int, dtype: str, *, block_M: int, block_K: int, nu
                 if two:
                     decode(W_s, S_s, B_f, group // ATOM_ROWS + warp, lane)
                     T.gemm(B_f, A_s, C_g, transpose_B=True)
-            gpu_tiles.store(C_f, C, partials, by * block_M, bx * block_N, bz, 1, partial)
-            if two:
-                gpu_tiles.store(C_g, C, partials, by * block_M, bx * block_N + group, bz, 1,
-                                partial)
+            if cluster:
+                C_s = T.alloc_shared((block_M, block_N), ACCUM)
+                for j, i in T.Parallel(group, block_M):
+                    C_s[i, j] = C_f[j, i]
+                if two:
+                    for j, i in T.Parallel(group, block_M):
+                        C_s[i, group + j] = C_g[j, i]
+                gpu_tiles.cluster_sum(C_s, C, M, by * block_M, bx * block_N, bz, split_k)
+            else:
+                gpu_tiles.store(C_f, C, partials, by * block_M, bx * block_N, bz, 1, partial)
+                if two:
+                    gpu_tiles.store(C_g, C, partials, by * block_M, bx * block_N + group, bz, 1,
+                                    partial)
 
-    if not partial:
+    if not partial or cluster:
         @T.prim_func
         def mxfp4_gemm_packed(A: T.Tensor((M, K), dtype),
                               Wp: T.Tensor((N // ATOM_ROWS, K // ATOM_K * 128), "int32"),

@@ -56,7 +56,7 @@ def _cuda_default(problem: Mxfp4Problem, target: Target, space: Space) -> Config
     block_M = min(max(problem.M, 16), 64)
     ctas = 2 if block_M <= 32 else 1
     return {"block_M": block_M, "block_N": 64, "block_K": block_K, "num_stages": 4, "threads": 128,
-            "ctas_per_sm": ctas,
+            "ctas_per_sm": ctas, "cluster_sum": 0,
             "split_k": decode_split_k(problem.N, problem.K, 64, block_K, target.units or 132,
                                       powers_of_two=False)}
 
@@ -75,6 +75,10 @@ def _check_cuda(problem: Mxfp4Problem, config: Config, target: Target) -> str | 
     group = threads // 32 * ATOM_ROWS  # weight rows per wgmma: an atom row per warp
     if bn not in (group, 2 * group) or problem.N % bn:
         return f"block_N {bn} must be {group} or {2 * group} and divide N = {problem.N}"
+    split = config.get("split_k", 1)
+    if config["cluster_sum"] and (not 1 < split <= 8 or bm % split):
+        return (f"cluster_sum takes 2-8 K splits (a portable cluster) dividing the {bm} tokens, "
+                f"not {split}")
     stages, ctas = config["num_stages"], config.get("ctas_per_sm", 1)
     weight = bn * bk // 2 + bn * bk // BLOCK * 2  # a K step's words and scales
     smem = stages * (bm * bk * 2 + weight) + bm * bn * 4
