@@ -60,8 +60,9 @@ slice() {  # sets ms, space, sampler, trials, extra for OP SLICE
         "block_K": [128, 256], "num_stages": [4], "threads": [128], "split_k": [1, 2, 4],
         "ctas_per_sm": [2, 3], "cluster_sum": [0, 1]}' ;;
     mxfp4_gemm_packed:m64)
+      # 64-deep steps: two 64-row groups of 64 tokens fit two CTAs an SM (never won: NOTES.md)
       ms="64"; dtype=bfloat16; space='{"block_M": [64], "block_N": [64, 128],
-        "block_K": [128, 256], "num_stages": [4], "threads": [128], "split_k": [1, 2, 4],
+        "block_K": [64, 128, 256], "num_stages": [4], "threads": [128], "split_k": [1, 2, 4],
         "ctas_per_sm": [1, 2], "cluster_sum": [0, 1]}' ;;
     mxfp4_gemm:prefill)  # the weight decoded once, then the GEMM loop
       ms="256 1024 4096"; dtype=bfloat16; space='{"block_M": [64, 128], "block_N": [128, 256],
