@@ -99,6 +99,14 @@ def mma(A_s, B_s, C_f, swap_ab, trans_b, annotations):
 
 
 @T.macro
+def transpose(C_f, C_s, n0):
+    """C_s[:, n0:] = the swapped accumulator C_f (block_N, block_M) transposed, in shared memory:
+    what `write_tile` and `cluster_sum` write from."""
+    for j, i in T.Parallel(C_f.shape[0], C_f.shape[1]):
+        C_s[i, n0 + j] = C_f[j, i]
+
+
+@T.macro
 def store(C_f, C, partials, m0, n0, split, swap_ab, partial):
     """Write the accumulator of the output tile at (m0, n0): into C, or into the split's slice of
     the workspace when `partial` (split-K). Rows past M and columns past N are dropped.
@@ -108,16 +116,20 @@ def store(C_f, C, partials, m0, n0, split, swap_ab, partial):
     """
     if swap_ab:
         C_s = T.alloc_shared((C_f.shape[1], C_f.shape[0]), ACCUM if partial else C.dtype)
-        for j, i in T.Parallel(C_f.shape[0], C_f.shape[1]):
-            C_s[i, j] = C_f[j, i]
-        if partial:
-            T.copy(C_s, partials[split, m0, n0])
-        else:
-            T.copy(C_s, C[m0, n0])
-    elif partial:
-        T.copy(C_f, partials[split, m0, n0])
+        transpose(C_f, C_s, 0)
+        write_tile(C_s, C, partials, m0, n0, split, partial)
     else:
-        T.copy(C_f, C[m0, n0])
+        write_tile(C_f, C, partials, m0, n0, split, partial)
+
+
+@T.macro
+def write_tile(tile, C, partials, m0, n0, split, partial):
+    """A tile (fragment or shared memory, unswapped) into C at (m0, n0), or into the split's
+    slice of the workspace when `partial`; rows past M and columns past N are dropped."""
+    if partial:
+        T.copy(tile, partials[split, m0, n0])
+    else:
+        T.copy(tile, C[m0, n0])
 
 
 @T.macro

@@ -158,19 +158,15 @@ def packed_program(N: int, K: int, dtype: str, *, block_M: int, block_K: int, nu
                 if two:
                     decode(W_s, S_s, B_f, group // ATOM_ROWS + warp, lane)
                     T.gemm(B_f, A_s, C_g, transpose_B=True)
+            # Both groups' accumulators transposed into one tile, written (or summed) at once.
+            C_s = T.alloc_shared((block_M, block_N), ACCUM if partial else dtype)
+            gpu_tiles.transpose(C_f, C_s, 0)
+            if two:
+                gpu_tiles.transpose(C_g, C_s, group)
             if cluster:
-                C_s = T.alloc_shared((block_M, block_N), ACCUM)
-                for j, i in T.Parallel(group, block_M):
-                    C_s[i, j] = C_f[j, i]
-                if two:
-                    for j, i in T.Parallel(group, block_M):
-                        C_s[i, group + j] = C_g[j, i]
                 gpu_tiles.cluster_sum(C_s, C, M, by * block_M, bx * block_N, bz, split_k)
             else:
-                gpu_tiles.store(C_f, C, partials, by * block_M, bx * block_N, bz, 1, partial)
-                if two:
-                    gpu_tiles.store(C_g, C, partials, by * block_M, bx * block_N + group, bz, 1,
-                                    partial)
+                gpu_tiles.write_tile(C_s, C, partials, by * block_M, bx * block_N, bz, partial)
 
     if not partial or cluster:
         @T.prim_func
