@@ -34,3 +34,47 @@ def test_mla_compiles_with_nvcc():
     problem = MLA_DECODE.parse_problem("B2xS4096xH64xQ2", "float16")
     lower(MLA_DECODE.build(problem, MLA_DECODE.default_config(problem, H200), H200), H200,
           device_compile=True)
+
+
+def test_seesaw_schedule_lowers_with_its_roles():
+    # threads 384: two consumer warpgroups (240 registers each, the rest's P from registers) and
+    # a TMA producer (24), each key block three TMA tiles evicted first.
+    problem = MLA_DECODE.parse_problem("B64xS8192xH128", "bfloat16")
+    config = {"block_H": 64, "block_N": 64, "num_stages": 2, "threads": 384, "num_splits": 4}
+    assert MLA_DECODE.check_config(problem, config, H200) is None
+    src = lower(MLA_DECODE.build(problem, config, H200), H200).kernel_source
+    assert src.count("warpgroup_reg_alloc<240>") == 2 and "warpgroup_reg_dealloc<24>" in src
+    assert src.count("wgmma_rs") == 2 and src.count("wgmma_ss") == 8  # 2 x 3 Q K^T, 2 P V
+    assert src.count("EVICT_FIRST") == 6
+    assert "mla_decode_kernel_1" in src  # the combine of the splits
+
+
+@pytest.mark.parametrize(("problem_text", "change", "why"), [
+    ("B64xS8192xH16", {}, "a multiple of 64"),
+    ("B64xS8192xH128", {"block_N": 32}, "64-key blocks"),
+    ("B64xS8192xH128", {"num_stages": 1}, "2 buffers"),
+])
+def test_seesaw_schedule_refuses_what_it_cannot_take(problem_text, change, why):
+    problem = MLA_DECODE.parse_problem(problem_text, "bfloat16")
+    config = {"block_H": 64, "block_N": 64, "num_stages": 2, "threads": 384, "num_splits": 1}
+    assert why in MLA_DECODE.check_config(problem, {**config, **change}, H200)
+
+
+def test_seesaw_code_does_not_follow_pythons_string_hashing():
+    # Generated code is what records and `db restamp` compare, and what the kernel cache keys on:
+    # two processes with different string hashing must generate the same kernel.
+    import hashlib
+    import os
+    import subprocess
+    import sys
+
+    script = ("from test_codegen import H200; from tileops.dispatch import lower; "
+              "from tileops.ops.mla import MLA_DECODE as S; "
+              "p = S.parse_problem('B64xS8192xH128', 'bfloat16'); "
+              "c = {'block_H': 64, 'block_N': 64, 'num_stages': 2, 'threads': 384, "
+              "'num_splits': 1}; print(lower(S.build(p, c, H200), H200).kernel_source)")
+    sources = {hashlib.sha256(subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, check=True, text=True,
+        cwd=os.path.dirname(__file__), env={**os.environ, "PYTHONHASHSEED": seed}).stdout.encode()
+    ).hexdigest() for seed in ("1", "2")}
+    assert len(sources) == 1

@@ -126,3 +126,27 @@ def test_a_row_that_sees_no_key_gets_zeros_and_minus_inf_cuda(num_splits):
     ref_out, ref_lse = reference(q, kv, table, lens)
     assert torch.isneginf(ref_lse[0]).all()
     check(out[1:], lse[1:], (ref_out[1:], ref_lse[1:]))
+
+
+@pytest.mark.parametrize(("h_q", "s_q", "num_splits"),
+                         [(128, 2, 1), (128, 2, 4), (128, 1, 7), (64, 1, 3)])
+def test_seesaw_schedule_cuda(h_q, s_q, num_splits):
+    # threads 384 takes key blocks in pairs: odd block counts (130 keys: 3 blocks), splits ending
+    # on a block past an odd count (inside a sequence), one block, lengths down to 2; NaN in every
+    # cache row past the lengths and NaN-filled outputs.
+    target = target_of(CUDA)
+    problem = MLA_DECODE.Problem(6, 4096, h_q, s_q, "bfloat16")
+    config = {"block_H": 64, "block_N": 64, "num_stages": 2, "threads": 384,
+              "num_splits": num_splits}
+    assert MLA_DECODE.check_config(problem, config, target) is None
+    kernel = dispatch.compile_kernel(MLA_DECODE, problem, config, target)
+    q, kv, table, seqlens = MLA_DECODE.make_inputs(problem, CUDA, seed=num_splits + h_q)
+    seqlens[1:] = torch.tensor([2, 130, 1001, 64, 4033], dtype=torch.int32)
+    for b, n in enumerate(seqlens.tolist()):
+        if n % 64:
+            kv[table[b, n // 64], n % 64:] = float("nan")
+    call = MLA_DECODE.prepare(q, kv, table, seqlens)
+    out = (torch.full((6, s_q, h_q, 512), float("nan"), device=CUDA, dtype=torch.bfloat16),
+           torch.full((6, h_q, s_q), float("nan"), device=CUDA))
+    MLA_DECODE.launch(kernel, call.args, out=out)
+    check(*out, reference(q, kv, table, seqlens))

@@ -280,3 +280,26 @@ def test_restamp_takes_exactly_the_records_whose_kernels_did_not_change(tmp_path
     with TuningDB(path) as tdb:
         hashes = {json.loads(r.problem)["M"]: r.kernel_hash for r in tdb.records()}
     assert hashes[64] == "refactored" and "refactored" not in (hashes[16], hashes[1])
+
+
+def test_a_kernel_hashes_alike_whichever_reduction_workspace_its_reductions_take(tmp_path,
+                                                                                 monkeypatch):
+    """TileLang 0.1.15 hands a kernel's equal reduction workspaces to its reductions in an order
+    that varies between lowerings; the generated-code hash must not see it, but must see where
+    the workspaces lie."""
+    import types
+
+    from tileops import dispatch
+    from tileops.tuner import dbtools
+
+    head = "void* workspace = buf + 0; void* workspace_1 = buf + 1024;\n"
+    sources = iter([head + "max(workspace_1); sum(workspace);",
+                    head + "max(workspace); sum(workspace_1);",
+                    head.replace("1024", "2048") + "max(workspace); sum(workspace_1);"])
+    monkeypatch.setattr(dispatch, "lower", lambda f, t: types.SimpleNamespace(
+        kernel_source=next(sources)))
+    path = write_db(tmp_path / "db.sqlite", [rec(CPU, "64x256x256", CPU_CFG)])
+    with TuningDB(path) as tdb:
+        (record,) = tdb.records()
+    first, swapped, moved = (dbtools.kernel_source_hash(record, {}) for _ in range(3))
+    assert first == swapped != moved

@@ -20,6 +20,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable
@@ -244,6 +245,13 @@ def source_key(r: Record) -> str:
     return json.dumps([r.op, r.problem, r.target_kind, r.arch, r.device])
 
 
+# TileLang 0.1.15 hands a kernel's reduction workspaces (equal scratch tiles in shared memory) to
+# its reductions in an order that varies between lowerings in one process, so their names are
+# erased before hashing: otherwise one kernel lowered twice can hash apart (MLA decode's max and
+# sum reductions, seen in `benchmarks/NOTES.md`). Their offsets still count.
+_WORKSPACE = re.compile(r"\bworkspace(_\d+)?\b")
+
+
 def kernel_source_hash(r: Record, memo: dict[tuple, str]) -> str | None:
     """sha256 of the device code this checkout generates for a record's kernel (None: its
     operator, target or configuration is not one this checkout builds). Records sharing a
@@ -263,6 +271,7 @@ def kernel_source_hash(r: Record, memo: dict[tuple, str]) -> str | None:
         from tileops.dispatch import lower
 
         source = lower(spec.build(problem, config, target), target).kernel_source
+        source = _WORKSPACE.sub("workspace", source)
         memo[key] = hashlib.sha256(source.encode()).hexdigest()
     return memo[key]
 

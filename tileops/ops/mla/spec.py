@@ -138,18 +138,28 @@ class _MlaKernel:
 
 
 def _cuda_default(problem: MlaProblem, target: Target, space: Space) -> Config:
-    """64 query rows per CTA; enough KV splits to fill the machine (`default_splits`)."""
+    """64 query rows per CTA; enough KV splits to fill the machine (`default_splits`). On sm_90
+    from 128 rows (s_q * h_q), where the kernel is bound by its products, the seesaw schedule:
+    the tuned records took it for every such problem they hold (benchmarks/NOTES.md)."""
     rows = problem.s_q * problem.h_q
     ctas = problem.batch * -(-rows // 64)
     # Two stages of 64 keys take 226 KiB of shared memory: sm_90's budget, not sm_80's.
     block_N = 64 if smem_limit(target.arch) >= 226 * 1024 else 32
-    return {"block_H": 64, "block_N": block_N, "num_stages": 2, "threads": 256,
+    seesaw = target.is_hopper and rows >= 128 and rows % 64 == 0
+    return {"block_H": 64, "block_N": block_N, "num_stages": 2,
+            "threads": kernels.SEESAW_THREADS if seesaw else 256,
             "num_splits": default_splits(ctas, problem.seqlen, block_N, target.units or 132)}
 
 
 def _check_cuda(problem: MlaProblem, config: Config, target: Target) -> str | None:
     """Shared memory, output accumulators per thread, splits longer than the keys."""
     bh, bn, threads = config["block_H"], config["block_N"], config["threads"]
+    if threads == kernels.SEESAW_THREADS:
+        if not target.is_hopper:
+            return "the seesaw schedule (384 threads) is sm_90's: TMA, wgmma, setmaxnreg"
+        if (bh, bn, config["num_stages"]) != (64, 64, 2) or problem.s_q * problem.h_q % 64:
+            return ("the seesaw schedule (384 threads) takes 64 rows, 64-key blocks in 2 "
+                    "buffers, and s_q * h_q a multiple of 64")
     # Q, the pipelined key/value tiles, P; and about 2 KiB of barriers and alignment.
     smem = (bh * D_QK + config["num_stages"] * bn * D_QK + bh * bn) * 2 + 2048
     if smem > smem_limit(target.arch):
@@ -252,6 +262,12 @@ class MlaDecodeSpec(OpSpec):
         if PAGE % config["block_N"]:
             return f"block_N {config['block_N']} does not divide the page size {PAGE}"
         return super().check_config(problem, config, target)
+
+    def dispatches_baseline(self, problem: MlaProblem, target: Target) -> bool:
+        """Never: the baseline is torch gathering each sequence's pages for two matmuls, what
+        the kernels are measured against, 3-40x slower than them at every suite shape on the
+        H200; a problem far from every record runs the default tile (the seesaw from 128 rows)."""
+        return False
 
     # ---- kernels --------------------------------------------------------------------------------
     def launch(self, kernel: Any, args: tuple, out: tuple | None = None
