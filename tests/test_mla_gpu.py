@@ -129,11 +129,12 @@ def test_a_row_that_sees_no_key_gets_zeros_and_minus_inf_cuda(num_splits):
 
 
 @pytest.mark.parametrize(("h_q", "s_q", "num_splits"),
-                         [(128, 2, 1), (128, 2, 4), (128, 1, 7), (64, 1, 3)])
+                         [(128, 2, 1), (128, 2, 4), (128, 1, 7), (64, 1, 3), (16, 1, 2),
+                          (16, 2, 4)])
 def test_seesaw_schedule_cuda(h_q, s_q, num_splits):
     # threads 384 takes key blocks in pairs: odd block counts (130 keys: 3 blocks), splits ending
-    # on a block past an odd count (inside a sequence), one block, lengths down to 2; NaN in every
-    # cache row past the lengths and NaN-filled outputs.
+    # on a block past an odd count (inside a sequence), one block, lengths down to 2; fewer rows
+    # than its 64 (h_q 16); NaN in every cache row past the lengths and NaN-filled outputs.
     target = target_of(CUDA)
     problem = MLA_DECODE.Problem(6, 4096, h_q, s_q, "bfloat16")
     config = {"block_H": 64, "block_N": 64, "num_stages": 2, "threads": 384,

@@ -12,10 +12,11 @@
 # (M = 1 ... 64), mxfp4_gemm prefill (M = 256 ... 4096), mxfp4_gemm_packed decode (M = 1, 16:
 # the prepacked weight), mxfp4_gemm_packed m64, attention all (grid), attention_varlen all (grid),
 # attention_paged all (grid), attention_backward all (grid, over the attention suite), mla_decode
-# all (TPE): the whole suites; mla_decode seesaw: the h_q 128 problems over the seesaw schedule's
-# points (after `all`: a record it does not beat stays). A stopped slice resumes where it stopped (the Optuna journal beside
-# $DB), and every run appends what it cost (trials, wall seconds by part: GPU time, the machine
-# being held throughout) to $REPORTS/OP-SLICE-DTYPE.jsonl, which benchmarks/tuning_cost.py sums.
+# all (TPE): the whole suites; mla_decode seesaw: the suite over the seesaw schedule's points
+# (after `all`: a record it does not beat stays). A stopped slice resumes where it stopped (the
+# Optuna journal beside $DB), and every run appends what it cost (trials, wall seconds by part:
+# GPU time, the machine being held throughout) to $REPORTS/OP-SLICE-DTYPE.jsonl, which
+# benchmarks/tuning_cost.py sums.
 # WORKERS=N tunes on N GPUs at once (worker i on cuda:i, one study per problem shared by all);
 # JOBS sets the compile processes (default: all cores but one); DTYPE the element type of the
 # GEMM slices (default bfloat16; float16 records are separate ones).
@@ -33,10 +34,10 @@ SLICES="gemm:decode gemm:m64 gemm:prefill mxfp4_gemm:decode mxfp4_gemm:prefill
   mxfp4_gemm_packed:decode mxfp4_gemm_packed:m64 attention:all attention_varlen:all
   attention_paged:all attention_backward:all mla_decode:all mla_decode:seesaw"
 
-usage() { sed -n '2,20p' "$0"; exit 2; }
+usage() { sed -n '2,22p' "$0"; exit 2; }
 
 slice() {  # sets ms, space, sampler, trials, extra for OP SLICE
-  sampler=grid trials=64 space= extra=() dtype=$DTYPE suite=$1 shapes=
+  sampler=grid trials=64 space= extra=() dtype=$DTYPE suite=$1
   case "$1:$2" in
     gemm:decode)  # the weight takes the wgmma M side (swap_ab); split-K for more CTAs
       ms="1 16"; space='{"block_M": [16], "block_N": [64, 128], "block_K": [128, 256],
@@ -88,20 +89,15 @@ slice() {  # sets ms, space, sampler, trials, extra for OP SLICE
         "num_stages": [1, 2], "threads": [256], "overlap": [1, 2]}' ;;
     mla_decode:all)  # the whole space, searched by TPE until it stops improving
       ms=""; dtype=bfloat16; sampler=tpe trials=24; extra=(--patience 8) ;;
-    mla_decode:seesaw)  # two consumer warpgroups on alternate key blocks (threads 384), where
-      # s_q * h_q fills its 64-row tiles; the splits (benchmarks/NOTES.md)
+    mla_decode:seesaw)  # two consumer warpgroups on alternate key blocks (threads 384), over
+      # its splits (benchmarks/NOTES.md)
       ms=""; dtype=bfloat16; space='{"block_H": [64], "block_N": [64], "num_stages": [2],
-        "threads": [384], "num_splits": [1, 2, 4, 8, 16, 32]}'
-      for b in 1 16 64 132; do for n in 1024 4096 8192 32768; do shapes+="B${b}xS${n}xH128 "; done; done ;;
+        "threads": [384], "num_splits": [1, 2, 4, 8, 16, 32]}' ;;
     *) usage ;;
   esac
 }
 
 problems() {  # the slice's problems: one --shape per (M, N, K) (GEMM: the w.t() layout), or a suite
-  if [[ -n $shapes ]]; then
-    printf -- '--shape=%s ' $shapes
-    return
-  fi
   if [[ -z $ms ]]; then
     printf -- '--suite %s ' "$suite"  # attention (also for attention_backward), attention_varlen, ...
     return
@@ -113,7 +109,7 @@ problems() {  # the slice's problems: one --shape per (M, N, K) (GEMM: the w.t()
 run() {  # run ACTION OP SLICE
   slice "$2" "$3"
   local space_args=(); [[ -z $space ]] || space_args=(--space "$space")
-  local op_args=(--op "$2"); [[ -z $ms && -z $shapes && $2 == "$suite" ]] && op_args=()
+  local op_args=(--op "$2"); [[ -z $ms && $2 == "$suite" ]] && op_args=()
   mkdir -p "$REPORTS"
   # shellcheck disable=SC2046  # $(problems ...): one argument per word
   case $1 in

@@ -226,7 +226,7 @@ def seesaw_program(h_q: int, s_q: int, dtype: str, *, num_splits: int):
     an odd count, which loads the split's last page again) are masked, and each warpgroup zeroes
     them in the value tiles it multiplies (stale NaN/Inf must not reach P V through 0 * NaN)."""
     batch, pages, table_w = T.dynamic("batch"), T.dynamic("pages"), T.dynamic("table_w")
-    rows = s_q * h_q  # check_config: a multiple of 64
+    rows = s_q * h_q  # check_config: below 64 or a multiple of it
     H, N, HALF = 64, PAGE, D_LATENT // 2
     neg_inf = -T.infinity(ACCUM)
     # Tile t of a block: 0 latent columns [0, 256), 1 [256, 512), 2 the rope. Barrier 3 b + t.
@@ -260,8 +260,14 @@ def seesaw_program(h_q: int, s_q: int, dtype: str, *, num_splits: int):
 
     @T.macro
     def load_q(Q, Q_t, q_full, bx, r0, t):
-        T.tma_copy(Q[bx, r0:r0 + H, cols[t][0]:cols[t][1]], Q_t[t], barrier=q_full[0],
-                   leader_scope_threads=32, annotations={"emit_arrive": 1})
+        if rows >= H:
+            T.tma_copy(Q[bx, r0:r0 + H, cols[t][0]:cols[t][1]], Q_t[t], barrier=q_full[0],
+                       leader_scope_threads=32, annotations={"emit_arrive": 1})
+        else:  # fewer rows than the tile: the next sequences' (or zeros), never stored
+            Q_rows = T.reshape(Q, (batch * rows, D_QK))
+            T.tma_copy(Q_rows[bx * rows:bx * rows + H, cols[t][0]:cols[t][1]], Q_t[t],
+                       barrier=q_full[0], leader_scope_threads=32,
+                       annotations={"emit_arrive": 1})
 
     @T.macro
     def fill(KV, block_table, K_t, full, empty, b, bx, start, end, pairs):
@@ -311,7 +317,8 @@ def seesaw_program(h_q: int, s_q: int, dtype: str, *, num_splits: int):
                    L_part: T.Tensor((batch, rows, num_splits), ACCUM),
                    Out: T.Tensor((batch, rows, D_LATENT), dtype),
                    LSE: T.Tensor((batch, h_q, s_q), ACCUM)):
-        with T.Kernel(rows // H, batch, num_splits, threads=SEESAW_THREADS) as (by, bx, bz):
+        with T.Kernel(T.ceildiv(rows, H), batch, num_splits, threads=SEESAW_THREADS) as (by, bx,
+                                                                                      bz):
             # Each tile named by its own assignment: unnamed ones are all "v", and TileLang
             # would place them in an order that follows Python's string hashing.
             Q_lo = T.alloc_shared((H, HALF), dtype)
