@@ -49,6 +49,17 @@ def test_seesaw_schedule_lowers_with_its_roles():
     assert "mla_decode_kernel_1" in src  # the combine of the splits
 
 
+def test_seesaw_below_64_rows_stores_only_its_rows():
+    # h_q 16: the 64-row Q tile comes from the flattened (batch * rows) view, one TMA box; of
+    # each warpgroup only the first warp (rows 0-15) stores.
+    problem = MLA_DECODE.parse_problem("B64xS4096xH16", "bfloat16")
+    config = {"block_H": 64, "block_N": 64, "num_stages": 2, "threads": 384, "num_splits": 2}
+    assert MLA_DECODE.check_config(problem, config, H200) is None
+    src = lower(MLA_DECODE.build(problem, config, H200), H200).kernel_source
+    assert "Q_rows_desc" in src and "((int)blockIdx.y) * 16)" in src
+    assert "if (((int)threadIdx.x) < 32) {" in src and "if (((int)threadIdx.x) < 160) {" in src
+
+
 @pytest.mark.parametrize(("problem_text", "change", "why"), [
     ("B64xS8192xH16", {"block_H": 32}, "64 rows"),
     ("B64xS8192xH128", {"block_N": 32}, "64-key blocks"),
