@@ -226,7 +226,7 @@ def seesaw_program(h_q: int, s_q: int, dtype: str, *, num_splits: int):
     an odd count, which loads the split's last page again) are masked, and each warpgroup zeroes
     them in the value tiles it multiplies (stale NaN/Inf must not reach P V through 0 * NaN)."""
     batch, pages, table_w = T.dynamic("batch"), T.dynamic("pages"), T.dynamic("table_w")
-    rows = s_q * h_q  # check_config: below 64 or a multiple of it
+    rows = s_q * h_q  # below 64 or a multiple of it (spec.HEADS, spec.S_Q)
     H, N, HALF = 64, PAGE, D_LATENT // 2
     neg_inf = -T.infinity(ACCUM)
     # Tile t of a block: 0 latent columns [0, 256), 1 [256, 512), 2 the rope. Barrier 3 b + t.

@@ -145,7 +145,7 @@ def _cuda_default(problem: MlaProblem, target: Target, space: Space) -> Config:
     ctas = problem.batch * -(-rows // 64)
     # Two stages of 64 keys take 226 KiB of shared memory: sm_90's budget, not sm_80's.
     block_N = 64 if smem_limit(target.arch) >= 226 * 1024 else 32
-    seesaw = target.is_hopper and rows >= 128 and rows % 64 == 0
+    seesaw = target.is_hopper and rows >= 128
     return {"block_H": 64, "block_N": block_N, "num_stages": 2,
             "threads": kernels.SEESAW_THREADS if seesaw else 256,
             "num_splits": default_splits(ctas, problem.seqlen, block_N, target.units or 132)}
@@ -157,7 +157,7 @@ def _check_cuda(problem: MlaProblem, config: Config, target: Target) -> str | No
     if threads == kernels.SEESAW_THREADS:
         if not target.is_hopper:
             return "the seesaw schedule (384 threads) is sm_90's: TMA, wgmma, setmaxnreg"
-        if (bh, bn, config["num_stages"]) != (64, 64, 2):  # s_q * h_q: below 64 or its multiple
+        if (bh, bn, config["num_stages"]) != (64, 64, 2):
             return "the seesaw schedule (384 threads) takes 64 rows, 64-key blocks in 2 buffers"
     # Q, the pipelined key/value tiles, P; and about 2 KiB of barriers and alignment.
     smem = (bh * D_QK + config["num_stages"] * bn * D_QK + bh * bn) * 2 + 2048
