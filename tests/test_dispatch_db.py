@@ -305,13 +305,13 @@ def test_override_is_checked_by_the_operators_check_config(monkeypatch):
     from tileops.ops.mla import MLA_DECODE
 
     monkeypatch.setenv("TILEOPS_CONFIG", json.dumps(
-        {"mla_decode": {"block_H": 16, "block_N": 0, "num_splits": 1},
+        {"mla_decode": {"block_H": 16, "block_N": 0},
          "flash_attention": {"block_M": 16, "block_N": 32}}))
     problem = MLA_DECODE.parse_problem("B1xS64xH16", "float32")
     with pytest.raises(ValueError, match="block_N = 0: must be >= 1"):  # not ZeroDivisionError
         DISPATCHER.choice(MLA_DECODE, CPU_T, problem)
     monkeypatch.setenv("TILEOPS_CONFIG", json.dumps(
-        {"mla_decode": {"block_H": 16, "block_N": 48, "num_splits": 1}}))
+        {"mla_decode": {"block_H": 16, "block_N": 48}}))
     tileops.reset()
     with pytest.raises(ValueError, match="refused by check_config: block_N 48 does not divide"):
         DISPATCHER.choice(MLA_DECODE, CPU_T, problem)
@@ -350,9 +350,9 @@ def test_a_damaged_neighbour_is_skipped_with_one_warning(tmp_path, use_dbs):
 
     problem = MLA_DECODE.parse_problem("B1xS64xH16", "float32")
     near = make_record(MLA_DECODE, CPU_T, problem._replace(seqlen=128),
-                       {"block_H": 16, "num_splits": 1})
+                       {"block_H": 16})
     odd = make_record(MLA_DECODE, CPU_T, problem._replace(seqlen="32"),
-                      {"block_H": 16, "block_N": 32, "num_splits": 1})
+                      {"block_H": 16, "block_N": 32})
     use_dbs(write_db(tmp_path / "m.sqlite", [near, odd]))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

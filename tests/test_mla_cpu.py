@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import tileops
 from tileops import dispatch
 from tileops.ops.mla import MLA_DECODE, reference
+from tileops.ops.mla.plan import MIN_PAYLOAD, balanced_plan
 from tileops.spec import pow2_bucket
 from tileops.target import target_of
 
@@ -40,6 +41,12 @@ def paged(seqlens: list[int], h_q: int, s_q: int, dtype=torch.float32, seed: int
     q = torch.randn(len(seqlens), s_q, h_q, 576, generator=gen).to(dtype)
     kv = torch.randn(num_blocks, 64, 1, 576, generator=gen).to(dtype)
     return q, kv, table, torch.tensor(seqlens, dtype=torch.int32)
+
+
+def planned(call, n_parts: int):
+    """The call's arguments with a plan of `n_parts` parts (the CPU's own has one per core)."""
+    return call.args._replace(plan=balanced_plan(call.args.cache_seqlens,
+                                                 call.args.block_table.shape[1], n_parts))
 
 
 def check(out, lse, ref, tol):
@@ -83,13 +90,14 @@ def test_softmax_scale():
     check(*default, reference(*inputs, softmax_scale=576 ** -0.5), 1e-5)
 
 
-def test_splits_combine_every_element_written_and_stale_rows_ignored():
-    # A split-KV kernel called directly on NaN-filled (out, lse) buffers, with NaN in every cache
-    # row past the lengths: every output written, nothing stale read into the result. Seqlen 2
-    # with 3 splits leaves splits without keys.
+@pytest.mark.parametrize("n_parts", [1, 3, 7])
+def test_splits_combine_every_element_written_and_stale_rows_ignored(n_parts):
+    # The planned kernel called directly on NaN-filled (out, lse) buffers, with NaN in every
+    # cache row past the lengths: every output written, nothing stale read into the result.
+    # Parts ending inside sequences (7 parts: a sequence in three), whole ones, one of 2 keys.
     target = target_of(CPU)
     problem = MLA_DECODE.Problem(3, 256, 16, 2, "float32")
-    config = {"block_H": 32, "block_N": 16, "num_splits": 3}
+    config = {"block_H": 32, "block_N": 16}
     kernel = dispatch.compile_kernel(MLA_DECODE, problem, config, target)
     q, kv, table, seqlens = paged([2, 200, 150], 16, 2, seed=5)
     for b, n in enumerate(seqlens.tolist()):
@@ -97,9 +105,78 @@ def test_splits_combine_every_element_written_and_stale_rows_ignored():
     call = MLA_DECODE.prepare(q, kv, table, seqlens)
     assert call.problem == problem
     out = (torch.full((3, 2, 16, 512), float("nan")), torch.full((3, 16, 2), float("nan")))
-    got = MLA_DECODE.launch(kernel, call.args, out=out)
+    got = MLA_DECODE.launch(kernel, planned(call, n_parts), out=out)
     assert got[0] is out[0] and got[1] is out[1]
     check(*out, reference(q, kv, table, seqlens), 1e-5)
+
+
+def _walk(plan, lengths):
+    """Each part's segments as the kernels find them (`kernels.part_seq`, `kernels.segment`):
+    {(part, sequence): (first block, end block, slot)}."""
+    parts, seqs = plan.parts.tolist(), plan.seqs.tolist()
+    found = {}
+    for p, (lo, hi, payload, _) in enumerate(parts):
+        for b in range(lo, hi + 1):
+            cum, base, first, count, _ = seqs[b]
+            blocks = -(-lengths[b] // 64)
+            end = blocks if p >= first + count - 1 else min((p + 1) * payload - cum, blocks)
+            found[p, b] = (min(max(p * payload - cum, 0), end), end,
+                           base + p - first if count > 1 else -1)
+    return found
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_plan_takes_every_block_once_and_balances_the_parts(seed):
+    gen = torch.Generator().manual_seed(seed)
+    batch, n_parts = [(1, 132), (5, 3), (40, 132), (64, 132), (64, 66), (17, 1)][seed]
+    lengths = torch.randint(0, 9000, (batch,), generator=gen, dtype=torch.int32)
+    edges = torch.tensor([0, 1, 64, 65, 4096], dtype=torch.int32)  # empty, one key, a page
+    lengths[::3] = edges.repeat(batch)[:len(lengths[::3])]
+    plan = balanced_plan(lengths, 200, n_parts)
+    found = _walk(plan, lengths.tolist())
+    taken = {b: [] for b in range(batch)}
+    for (_, b), (start, end, slot) in sorted(found.items()):
+        assert start < end or (start == end == 0 and lengths[b] == 0)  # no empty piece
+        taken[b].append((start, end, slot))
+    load = [sum(e - s for (p, _), (s, e, _) in found.items() if p == q) for q in range(n_parts)]
+    payload = plan.parts[0, 2].item()
+    assert max(load) <= payload and plan.parts[:, 2].eq(payload).all()
+    slots = set()
+    for b, pieces in taken.items():
+        blocks = -(-lengths[b].item() // 64)
+        assert pieces[0][0] == 0 and pieces[-1][1] == blocks  # every block, in order, once
+        assert all(x[1] == y[0] for x, y in zip(pieces, pieces[1:], strict=False))
+        assert (len(pieces) == 1) == (pieces[0][2] == -1)
+        slots.update(s for *_, s in pieces if s >= 0)
+    assert len(slots) == sum(len(v) for v in taken.values() if len(v) > 1)
+    split = [b for b, pieces in taken.items() if len(pieces) > 1]  # the combine's list
+    assert plan.parts[:, 3].eq(len(split)).all() and plan.seqs[:len(split), 4].tolist() == split
+    assert all(0 <= s < batch + n_parts for s in slots)
+    uniform = balanced_plan(torch.full((64,), 4096, dtype=torch.int32), 64, 132)
+    assert uniform.parts[0, 2].item() == 32 and uniform.seqs[:, 3].eq(2).all()  # 2 pieces each
+    whole = balanced_plan(torch.full((64,), 4096, dtype=torch.int32), 64, 66)
+    assert whole.parts[0, 2].item() == 64 and whole.seqs[:, 3].eq(1).all()  # none split
+    assert balanced_plan(torch.tensor([100], dtype=torch.int32), 2, 132).parts[0, 2] \
+        == MIN_PAYLOAD
+
+
+def test_a_plan_made_for_other_lengths_still_attends_to_every_key():
+    # Lengths grown (a graph replayed on a later step) or shrunk since the plan was made: the
+    # balance is off, the result is not; a plan of garbage reads nothing outside its tensors.
+    q, kv, table, lens = paged([300, 700, 65, 1000], 16, 1, seed=21, spare=4)
+    config = {"block_H": 16, "block_N": 32}
+    call = MLA_DECODE.prepare(q, kv, table, lens)
+    kernel = dispatch.compile_kernel(MLA_DECODE, call.problem, config, target_of(CPU))
+    for made_from in ([10, 20, 30, 40], [1200, 900, 400, 1250], [0, 0, 0, 0]):
+        plan = balanced_plan(torch.tensor(made_from, dtype=torch.int32), table.shape[1], 5)
+        check(*MLA_DECODE.launch(kernel, call.args._replace(plan=plan)),
+              reference(q, kv, table, lens), 1e-5)
+    big = 2**31 - 1
+    for parts, seqs in [(torch.full((3, 4), big), torch.full((4, 5), big)),
+                        (torch.full((3, 4), -big), torch.full((4, 5), -big))]:
+        plan = balanced_plan(lens, table.shape[1], 3)._replace(parts=parts.int(),
+                                                               seqs=seqs.int())
+        MLA_DECODE.launch(kernel, call.args._replace(plan=plan))  # no crash, no wild read
 
 
 def test_one_kernel_for_batches_and_lengths():
@@ -247,13 +324,13 @@ def test_a_bad_table_or_bad_lengths_read_nothing_outside_the_cache():
     for t, n in [(t, lens) for t in bad_tables] + [(table, n) for n in bad_lens] \
             + [(bad_tables[3], bad_lens[1])]:
         _close(tileops.mla_decode(q, cache, t, n), reference(q, kv, t, n), 1e-5)
-    # A split kernel (some splits empty) on the same inputs, called directly.
-    config = {"block_H": 32, "block_N": 16, "num_splits": 3}
+    # A plan of 5 parts (sequences split) on the same inputs, called directly.
+    config = {"block_H": 32, "block_N": 16}
     q2 = torch.cat([q, q.flip(0)], dim=1)  # s_q = 2
     call = MLA_DECODE.prepare(q2, cache, bad_tables[2], bad_lens[0])
     kernel = dispatch.compile_kernel(MLA_DECODE, call.problem, config, target_of(CPU))
-    _close(MLA_DECODE.launch(kernel, call.args), reference(q2, kv, bad_tables[2], bad_lens[0]),
-           1e-5)
+    _close(MLA_DECODE.launch(kernel, planned(call, 5)),
+           reference(q2, kv, bad_tables[2], bad_lens[0]), 1e-5)
     _close(MLA_DECODE.launch_baseline(call.args), reference(q2, kv, bad_tables[2], bad_lens[0]),
            1e-5)
 
@@ -264,11 +341,13 @@ def test_a_bad_table_or_bad_lengths_read_nothing_outside_the_cache():
 def test_metadata_gives_the_bit_identical_result(seqlens, s_q, dtype):
     inputs = paged(seqlens, 16, s_q, dtype, seed=len(seqlens))
     md = tileops.mla_metadata(inputs[3], 16, s_q)
-    assert md == tileops.MlaMetadata(pow2_bucket(max(seqlens)), len(seqlens), 16, s_q)
+    assert md[:4] == (pow2_bucket(max(seqlens)), len(seqlens), 16, s_q)
+    assert torch.equal(md.plan.seqs, MLA_DECODE.prepare(*inputs).args.plan.seqs)
     assert MLA_DECODE.prepare(*inputs, metadata=md).problem == MLA_DECODE.prepare(*inputs).problem
     plain = tileops.mla_decode(*inputs)
     for got in (tileops.mla_decode(*inputs, metadata=md),
-                torch.ops.tileops.mla_decode(*inputs, metadata=md)):
+                torch.ops.tileops.mla_decode(*inputs, metadata=list(md[:4]),
+                                             plan_parts=md.plan.parts, plan_seqs=md.plan.seqs)):
         assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
 
 
@@ -284,8 +363,8 @@ def test_metadata_only_chooses_the_kernel_never_the_result():
 
 def test_steps_of_one_bucket_share_their_metadata():
     lens = torch.tensor([70, 100], dtype=torch.int32)
-    assert tileops.mla_metadata(lens, 16) == tileops.mla_metadata(lens + 28, 16)  # 128 both
-    assert tileops.mla_metadata(lens, 16) != tileops.mla_metadata(lens + 29, 16)
+    assert tileops.mla_metadata(lens, 16)[:4] == tileops.mla_metadata(lens + 28, 16)[:4]  # 128
+    assert tileops.mla_metadata(lens, 16)[:4] != tileops.mla_metadata(lens + 29, 16)[:4]
     # Empty sequences: the same key with metadata as without.
     q, kv, table, _ = paged([1, 1], 16, 2)
     zeros = torch.zeros(2, dtype=torch.int32)
@@ -403,14 +482,14 @@ def test_a_row_that_sees_no_key_gets_zeros_and_minus_inf_as_in_attention():
     # Calls may ask for sequences shorter than s_q (strict mode refuses them): an empty
     # sequence, and with s_q = 2 a length of 1 leaves token 0 no key. Such rows used to come out
     # NaN from the combine (-inf - -inf); flash_attention gives zeros and a log-sum-exp of -inf.
-    cases = [(1, [0, 70], {"block_H": 16, "block_N": 32, "num_splits": 1}, 16),
-             (2, [0, 1, 150], {"block_H": 32, "block_N": 16, "num_splits": 3}, 2 * 16 + 16)]
-    for s_q, seqlens, config, rows_without_keys in cases:
+    cases = [(1, [0, 70], {"block_H": 16, "block_N": 32}, 1, 16),
+             (2, [0, 1, 150], {"block_H": 32, "block_N": 16}, 3, 2 * 16 + 16)]
+    for s_q, seqlens, config, n_parts, rows_without_keys in cases:
         q, kv, table, lens = paged([max(n, 1) for n in seqlens], 16, s_q, seed=s_q)
         lens = torch.tensor(seqlens, dtype=torch.int32)
         call = MLA_DECODE.prepare(q, kv, table, lens)
         kernel = dispatch.compile_kernel(MLA_DECODE, call.problem, config, target_of(CPU))
-        out, lse = MLA_DECODE.launch(kernel, call.args)
+        out, lse = MLA_DECODE.launch(kernel, planned(call, n_parts))
         ref_out, ref_lse = reference(q, kv, table, lens)
         unseen = torch.isneginf(ref_lse).transpose(1, 2)  # (batch, s_q, h_q)
         assert unseen[0].all() and unseen[-1].sum() == 0 and unseen.sum() == rows_without_keys
@@ -431,7 +510,7 @@ def test_serving_args_carry_the_steps_metadata():
     # What benchmarks time as tileops_us: the call with metadata made once per step, before it.
     inputs = paged([100, 70], 16, 2, seed=13)
     args = MLA_DECODE.serving_args(inputs)
-    assert args[:4] == inputs and args[-1] == tileops.MlaMetadata(128, 2, 16, 2)
+    assert args[:4] == inputs and args[-1][:4] == (128, 2, 16, 2)
     assert MLA_DECODE.prepare(*args).problem == MLA_DECODE.prepare(*inputs).problem
     assert torch.equal(dispatch.DISPATCHER(MLA_DECODE, *args)[0], tileops.mla_decode(*inputs)[0])
     gemm_inputs = (torch.randn(2, 3), torch.randn(3, 4))

@@ -9,11 +9,20 @@ from helpers import rel_error
 import tileops
 from tileops import dispatch
 from tileops.ops.mla import MLA_DECODE, reference
+from tileops.ops.mla.plan import balanced_plan
 from tileops.target import target_of
 
 pytestmark = pytest.mark.gpu
 
 CUDA = torch.device("cuda")
+SEESAW = {"block_H": 64, "block_N": 64, "num_stages": 2, "threads": 384, "num_splits": 1}
+SPLIT = {"block_H": 64, "block_N": 64, "num_stages": 2, "threads": 256}
+
+
+def planned(call, n_parts):
+    """The call's arguments with a plan of `n_parts` parts (132 / row tiles of its own)."""
+    return call.args._replace(plan=balanced_plan(call.args.cache_seqlens,
+                                                 call.args.block_table.shape[1], n_parts))
 
 
 def check(out, lse, ref):
@@ -34,14 +43,15 @@ def test_mla_decode_cuda(batch, h_q, seqlen, s_q):
     check(out, lse, reference(*inputs))
 
 
-@pytest.mark.parametrize("num_splits", [1, 4, 16])
-def test_every_element_written_cuda(num_splits):
+@pytest.mark.parametrize(("config", "n_parts"),
+                         [(SEESAW, 66), (SEESAW, 5), ({**SPLIT, "num_splits": 1}, 0),
+                          ({**SPLIT, "num_splits": 4}, 0), ({**SPLIT, "num_splits": 16}, 0)])
+def test_every_element_written_cuda(config, n_parts):
     # NaN-filled outputs and NaN in every cache row past the lengths; lengths 1 ... 4096.
     target = target_of(CUDA)
     problem = MLA_DECODE.Problem(3, 4096, 128, 2, "bfloat16")
-    config = dict(MLA_DECODE.default_config(problem, target), num_splits=num_splits)
     kernel = dispatch.compile_kernel(MLA_DECODE, problem, config, target)
-    q, kv, table, seqlens = MLA_DECODE.make_inputs(problem, CUDA, seed=num_splits)
+    q, kv, table, seqlens = MLA_DECODE.make_inputs(problem, CUDA, seed=n_parts)
     seqlens[1:] = torch.tensor([2, 1001], dtype=torch.int32)
     for b, n in enumerate(seqlens.tolist()):
         if n % 64:
@@ -49,14 +59,16 @@ def test_every_element_written_cuda(num_splits):
     call = MLA_DECODE.prepare(q, kv, table, seqlens)
     out = (torch.full((3, 2, 128, 512), float("nan"), device=CUDA, dtype=torch.bfloat16),
            torch.full((3, 128, 2), float("nan"), device=CUDA))
-    MLA_DECODE.launch(kernel, call.args, out=out)
+    MLA_DECODE.launch(kernel, planned(call, n_parts) if n_parts else call.args, out=out)
     check(*out, reference(q, kv, table, seqlens))
 
 
 def test_fp16_and_long_context_split():
     problem = MLA_DECODE.Problem(1, 32768, 16, 1, "float16")
     inputs = MLA_DECODE.make_inputs(problem, CUDA, seed=1)
-    assert MLA_DECODE.default_config(problem, target_of(CUDA))["num_splits"] > 1
+    assert MLA_DECODE.default_config(problem, target_of(CUDA)) == SEESAW
+    call = MLA_DECODE.prepare(*inputs)
+    assert (call.args.plan.seqs[0, 3] > 8).item()  # the sequence is split over many parts
     check(*tileops.mla_decode(*inputs), reference(*inputs))
 
 
@@ -110,38 +122,37 @@ def test_with_metadata_the_call_never_synchronises():
             torch.cuda.set_sync_debug_mode(0)
 
 
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_a_row_that_sees_no_key_gets_zeros_and_minus_inf_cuda(num_splits):
+@pytest.mark.parametrize(("config", "n_parts"),
+                         [(SEESAW, 132), (SEESAW, 1), ({**SPLIT, "num_splits": 4}, 0)])
+def test_a_row_that_sees_no_key_gets_zeros_and_minus_inf_cuda(config, n_parts):
     # Calls may hold an empty sequence (strict mode refuses it): its rows get zeros and -inf, as
     # attention's do.
     target = target_of(CUDA)
     problem = MLA_DECODE.Problem(2, 1024, 16, 1, "bfloat16")
     q, kv, table, lens = MLA_DECODE.make_inputs(problem, CUDA, seed=3)
     lens = torch.tensor([0, 700], dtype=torch.int32, device=CUDA)
-    config = {**MLA_DECODE.default_config(problem, target), "num_splits": num_splits}
     call = MLA_DECODE.prepare(q, kv, table, lens, validate=False)
     kernel = dispatch.compile_kernel(MLA_DECODE, call.problem, config, target)
-    out, lse = MLA_DECODE.launch(kernel, call.args)
+    out, lse = MLA_DECODE.launch(kernel, planned(call, n_parts) if n_parts else call.args)
     assert (out[0] == 0).all() and torch.isneginf(lse[0]).all()
     ref_out, ref_lse = reference(q, kv, table, lens)
     assert torch.isneginf(ref_lse[0]).all()
     check(out[1:], lse[1:], (ref_out[1:], ref_lse[1:]))
 
 
-@pytest.mark.parametrize(("h_q", "s_q", "num_splits"),
-                         [(128, 2, 1), (128, 2, 4), (128, 1, 7), (64, 1, 3), (16, 1, 2),
-                          (16, 2, 4)])
-def test_seesaw_schedule_cuda(h_q, s_q, num_splits):
-    # threads 384 takes key blocks in pairs: odd block counts (130 keys: 3 blocks), splits ending
-    # on a block past an odd count (inside a sequence), one block, lengths down to 2; fewer rows
-    # than its 64 (h_q 16); NaN in every cache row past the lengths and NaN-filled outputs.
+@pytest.mark.parametrize(("h_q", "s_q", "n_parts"),
+                         [(128, 2, 1), (128, 2, 4), (128, 1, 7), (128, 1, 66), (64, 1, 3),
+                          (16, 1, 2), (16, 2, 4), (16, 1, 132)])
+def test_seesaw_schedule_cuda(h_q, s_q, n_parts):
+    # threads 384 takes key blocks in pairs over the plan's segments: odd block counts (130
+    # keys: 3 blocks), segments ending on a block past an odd count (inside a sequence), parts
+    # of several sequences (1 part: all six), one block, lengths down to 2; fewer rows than its
+    # 64 (h_q 16); NaN in every cache row past the lengths and NaN-filled outputs.
     target = target_of(CUDA)
     problem = MLA_DECODE.Problem(6, 4096, h_q, s_q, "bfloat16")
-    config = {"block_H": 64, "block_N": 64, "num_stages": 2, "threads": 384,
-              "num_splits": num_splits}
-    assert MLA_DECODE.check_config(problem, config, target) is None
-    kernel = dispatch.compile_kernel(MLA_DECODE, problem, config, target)
-    q, kv, table, seqlens = MLA_DECODE.make_inputs(problem, CUDA, seed=num_splits + h_q)
+    assert MLA_DECODE.check_config(problem, SEESAW, target) is None
+    kernel = dispatch.compile_kernel(MLA_DECODE, problem, SEESAW, target)
+    q, kv, table, seqlens = MLA_DECODE.make_inputs(problem, CUDA, seed=n_parts + h_q)
     seqlens[1:] = torch.tensor([2, 130, 1001, 64, 4033], dtype=torch.int32)
     for b, n in enumerate(seqlens.tolist()):
         if n % 64:
@@ -149,5 +160,24 @@ def test_seesaw_schedule_cuda(h_q, s_q, num_splits):
     call = MLA_DECODE.prepare(q, kv, table, seqlens)
     out = (torch.full((6, s_q, h_q, 512), float("nan"), device=CUDA, dtype=torch.bfloat16),
            torch.full((6, h_q, s_q), float("nan"), device=CUDA))
-    MLA_DECODE.launch(kernel, call.args, out=out)
+    MLA_DECODE.launch(kernel, planned(call, n_parts), out=out)
     check(*out, reference(q, kv, table, seqlens))
+
+
+@pytest.mark.parametrize("h_q", [16, 128])
+def test_ragged_batch_over_the_plan_cuda(h_q):
+    # A serving mix (empty, one key, 100 ... 8000 keys) through the call with the step's
+    # metadata, and with a plan made for other lengths (grown and shrunk): the same result.
+    gen = torch.Generator(device=CUDA).manual_seed(h_q)
+    lens = torch.randint(100, 8000, (40,), generator=gen, device=CUDA, dtype=torch.int32)
+    lens[:3] = torch.tensor([0, 1, 8000], dtype=torch.int32)
+    inputs = MLA_DECODE.make_inputs(MLA_DECODE.Problem(40, 8192, h_q, 1, "bfloat16"), CUDA)
+    inputs = (*inputs[:3], lens)
+    ref = reference(*inputs)
+    md = tileops.mla_metadata(lens, h_q)
+    out, lse = tileops.mla_decode(*inputs, metadata=md)
+    assert (out[0] == 0).all() and torch.isneginf(lse[0]).all()
+    check(out[1:], lse[1:], (ref[0][1:], ref[1][1:]))
+    stale = tileops.mla_metadata((lens.flip(0) * 0.7).int(), h_q)
+    again = tileops.mla_decode(*inputs, metadata=stale)
+    check(again[0][1:], again[1][1:], (ref[0][1:], ref[1][1:]))

@@ -61,6 +61,17 @@ def _mla_step(problem, seed, seqlens):
     return q, kv, table, torch.tensor(seqlens, dtype=torch.int32, device=CUDA)
 
 
+def _mla_replays(graph, problem, inputs, steps):
+    """Each later step's tensors copied into the captured ones and the graph replayed: yields
+    the step's fresh tensors after its replay."""
+    for seed, seqlens in enumerate(steps[1:], start=2):
+        fresh = _mla_step(problem, seed, seqlens)
+        for mine, new in zip(inputs, fresh, strict=True):
+            mine.copy_(new)
+        graph.replay()
+        yield fresh
+
+
 @pytest.mark.parametrize("s_q", [1, 2])
 @pytest.mark.parametrize("with_metadata", [True, False])
 def test_mla_decode_captured_and_replayed_on_new_lengths(s_q, with_metadata):
@@ -75,15 +86,34 @@ def test_mla_decode_captured_and_replayed_on_new_lengths(s_q, with_metadata):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out, lse = tileops.mla_decode(*inputs, metadata=md)
-    for seed, seqlens in enumerate(steps[1:], start=2):
-        fresh = _mla_step(problem, seed, seqlens)
-        for mine, new in zip(inputs, fresh, strict=True):
-            mine.copy_(new)
-        graph.replay()
+    for fresh in _mla_replays(graph, problem, inputs, steps):
         eager = tileops.mla_decode(*fresh, metadata=md)
         torch.cuda.synchronize()
         assert torch.equal(out, eager[0]) and torch.equal(lse, eager[1])
         assert rel_error(out, MLA_DECODE.reference(fresh)[0]) < MLA_DECODE.tolerance(problem)
+
+
+def test_mla_decode_plans_inside_the_graph_from_the_steps_lengths():
+    # The step's metadata made inside the capture (max_seqlen given: no read back): each replay
+    # re-plans from the lengths then in cache_seqlens, a ragged mix among them.
+    problem = MLA_DECODE.Problem(6, 4096, 16, 1, "bfloat16")
+    steps = [[4096, 3000, 2100, 4001, 64, 1], [100, 4096, 333, 2049, 3900, 0],
+             [4000, 4000, 4000, 4000, 4000, 4000]]
+    inputs = _mla_step(problem, 1, steps[0])
+    tileops.mla_decode(*inputs, metadata=tileops.mla_metadata(inputs[3], 16, max_seqlen=4096))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        md = tileops.mla_metadata(inputs[3], 16, max_seqlen=4096)
+        out, lse = tileops.mla_decode(*inputs, metadata=md)
+    for fresh in _mla_replays(graph, problem, inputs, steps):
+        eager = tileops.mla_decode(*fresh, metadata=tileops.mla_metadata(fresh[3], 16))
+        torch.cuda.synchronize()
+        assert torch.equal(md.plan.seqs, MLA_DECODE.prepare(*fresh).args.plan.seqs)  # re-planned
+        assert torch.equal(out, eager[0]) and torch.equal(lse, eager[1])
+        ref = MLA_DECODE.reference(fresh)
+        seen = fresh[3] > 0
+        assert rel_error(out[seen], ref[0][seen]) < MLA_DECODE.tolerance(problem)
 
 
 def test_mla_decode_strict_mode_is_refused_inside_capture():

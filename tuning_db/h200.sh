@@ -89,10 +89,10 @@ slice() {  # sets ms, space, sampler, trials, extra for OP SLICE
         "num_stages": [1, 2], "threads": [256], "overlap": [1, 2]}' ;;
     mla_decode:all)  # the whole space, searched by TPE until it stops improving
       ms=""; dtype=bfloat16; sampler=tpe trials=24; extra=(--patience 8) ;;
-    mla_decode:seesaw)  # two consumer warpgroups on alternate key blocks (threads 384), over
-      # its splits (benchmarks/NOTES.md)
+    mla_decode:seesaw)  # two consumer warpgroups on alternate key blocks (threads 384), its
+      # splits from the plan balanced by keys (benchmarks/NOTES.md): one point per problem
       ms=""; dtype=bfloat16; space='{"block_H": [64], "block_N": [64], "num_stages": [2],
-        "threads": [384], "num_splits": [1, 2, 4, 8, 16, 32]}' ;;
+        "threads": [384], "num_splits": [1]}' ;;
     *) usage ;;
   esac
 }

@@ -44,23 +44,64 @@ def page_of(block_table, b, pos, pages):
     return T.min(T.max(block_table[b, pos // PAGE], 0), pages - 1)
 
 
+def part_seq(parts, p, k, batch):
+    """The sequence of segment k of part p of a plan (plan.py), clamped into the batch."""
+    return T.min(T.max(parts[p, 0] + k, 0), batch - 1)
+
+
+def segment(parts, seqs, cache_seqlens, p, b, table_w, slots):
+    """Part p's segment of sequence b (`part_seq`): b's clamped length, the key blocks
+    [start, end) the segment takes and its partial's slot (-1: b is one segment, written to
+    Out). Every index the plan holds is clamped into its tensor; b's last segment runs to the end
+    of b as `seq_len` reads it, so lengths grown since the plan was made are attended to in
+    full."""
+    payload = T.max(parts[p, 2], 1)
+    seqlen = seq_len(cache_seqlens, b, table_w)
+    n_blocks = T.ceildiv(seqlen, PAGE)
+    end = T.if_then_else(p >= seqs[b, 2] + seqs[b, 3] - 1, n_blocks,
+                         T.min((p + 1) * payload - seqs[b, 0], n_blocks))
+    start = T.min(T.max(p * payload - seqs[b, 0], 0), end)
+    slot = T.if_then_else(seqs[b, 3] > 1, T.min(T.max(seqs[b, 1] + p - seqs[b, 2], 0),
+                                                  slots - 1), -1)
+    return seqlen, start, end, slot
+
+
+def segments(parts, p, batch):
+    """How many segments part p walks (its first to its last sequence, clamped)."""
+    return T.min(T.max(parts[p, 1] - parts[p, 0] + 1, 0), batch)
+
+
 @T.macro
-def store(acc, l, msc, Out, LSE, O_part, L_part, bx, r0, bz, c0, rows, h_q: int,
-          num_splits: int):
-    """Rows [r0, +block) of columns [c0, +width) of sequence bx's output, normalised, and (from
-    the tile holding column 0) their log-sum-exps; with splits, split bz's partial and its
-    log2-sum-exp. l = 0: the row saw no key (a zero-length sequence, unvalidated): zeros and a
-    log-sum-exp of -inf, as flash_attention gives. l == 0, not l > 0: NaN stays NaN."""
+def normalise(acc, l):  # noqa: E741
+    """acc / l; l = 0: the row saw no key (a zero-length sequence, unvalidated): zeros, as
+    flash_attention gives. l == 0, not l > 0: NaN stays NaN."""
     block_H, width = acc.shape
     for i, j in T.Parallel(block_H, width):
         acc[i, j] = T.if_then_else(l[i] == 0, 0, acc[i, j] / l[i])
+
+
+@T.macro
+def write_out(acc, l, msc, Out, LSE, b, r0, c0, rows, h_q: int):  # noqa: E741
+    """Rows [r0, +block) of columns [c0, +width) of sequence b's output and (from the tile
+    holding column 0) their log-sum-exps (-inf for a row that saw no key)."""
+    block_H, width = acc.shape
+    T.copy(acc, Out[b, r0:r0 + block_H, c0:c0 + width])
+    if c0 == 0:
+        for i in T.Parallel(block_H):
+            if r0 + i < rows:
+                LSE[b, (r0 + i) % h_q, (r0 + i) // h_q] = (T.log2(l[i]) + msc[i]) * LN2
+
+
+@T.macro
+def store(acc, l, msc, Out, LSE, O_part, L_part, bx, r0, bz, c0, rows, h_q: int,
+          num_splits: int):
+    """Normalised output rows (`write_out`); with splits, split bz's partial and its
+    log2-sum-exp (an empty split: a zero partial with -inf)."""
+    block_H, width = acc.shape
+    normalise(acc, l)
     if num_splits == 1:
-        T.copy(acc, Out[bx, r0:r0 + block_H, c0:c0 + width])
-        if c0 == 0:
-            for i in T.Parallel(block_H):
-                if r0 + i < rows:
-                    LSE[bx, (r0 + i) % h_q, (r0 + i) // h_q] = (T.log2(l[i]) + msc[i]) * LN2
-    else:  # an empty split writes a zero partial with log2-sum-exp -inf
+        write_out(acc, l, msc, Out, LSE, bx, r0, c0, rows, h_q)
+    else:
         T.copy(acc, O_part[bx, r0:r0 + block_H, bz, c0:c0 + width])
         if c0 == 0:
             for i in T.Parallel(block_H):
@@ -69,38 +110,85 @@ def store(acc, l, msc, Out, LSE, O_part, L_part, bx, r0, bz, c0, rows, h_q: int,
 
 
 @T.macro
-def combine(O_part, L_part, Out, LSE, batch, rows, h_q: int, num_splits: int):
-    """The second kernel of a split-KV launch: each row's `num_splits` partial outputs merged by
-    their log2-sum-exps (an empty split has -inf and weight 0)."""
+def store_segment(acc, l, msc, Out, LSE, O_part, L_part, b, r0, slot, c0, rows, h_q: int):
+    """`store` for a segment of a plan: Out where it is its sequence's only one, else the
+    partial in its slot."""
+    block_H, width = acc.shape
+    normalise(acc, l)
+    if slot < 0:
+        write_out(acc, l, msc, Out, LSE, b, r0, c0, rows, h_q)
+    else:
+        T.copy(acc, O_part[slot, r0:r0 + block_H, c0:c0 + width])
+        if c0 == 0:
+            for i in T.Parallel(block_H):
+                if r0 + i < rows:
+                    L_part[slot, r0 + i] = T.log2(l[i]) + msc[i]
+
+
+def _partial(buf, bx, by, s, base, *j):
+    """Partial s of row by of sequence bx: split s of (batch, rows, splits[, 512]) buffers, or
+    with a plan slot base + s of (slots, rows[, 512]) ones."""
+    return buf[bx, by, s, *j] if base is None else buf[base + s, by, *j]
+
+
+@T.macro
+def merge(O_part, L_part, Out, LSE, bx, by, count, base, h_q: int):
+    """Row by of sequence bx: its `count` partial outputs merged by their log2-sum-exps (an empty
+    one has -inf and weight 0), stored with the row's log-sum-exp."""
     neg_inf = -T.infinity(ACCUM)
+    o = T.alloc_fragment((D_LATENT,), ACCUM)
+    lse = T.alloc_local((1,), ACCUM)
+    top = T.alloc_local((1,), ACCUM)
+    total = T.alloc_local((1,), ACCUM)
+    top[0] = neg_inf
+    for s in T.serial(count):
+        top[0] = T.max(top[0], _partial(L_part, bx, by, s, base))
+    top[0] = softmax_offset(top[0])  # every split empty: 0, not -inf - -inf
+    total[0] = 0
+    for s in T.serial(count):
+        total[0] += T.exp2(_partial(L_part, bx, by, s, base) - top[0])
+    lse[0] = T.log2(total[0]) + top[0]  # -inf when every split was empty
+    T.clear(o)
+    for s in T.serial(count):
+        for j in T.Parallel(D_LATENT):
+            o[j] += T.if_then_else(total[0] == 0, 0, T.exp2(
+                _partial(L_part, bx, by, s, base) - lse[0]) * _partial(O_part, bx, by, s, base, j))
+    T.copy(o, Out[bx, by, :])
+    LSE[bx, by % h_q, by // h_q] = lse[0] * LN2
+
+
+@T.macro
+def combine(O_part, L_part, Out, LSE, batch, rows, h_q: int, num_splits: int):
+    """The second kernel of a split-KV launch: each row's `num_splits` partials merged."""
     with T.Kernel(batch, rows, threads=128) as (bx, by):
-        o = T.alloc_fragment((D_LATENT,), ACCUM)
-        lse = T.alloc_local((1,), ACCUM)
-        top = T.alloc_local((1,), ACCUM)
-        total = T.alloc_local((1,), ACCUM)
-        top[0] = neg_inf
-        for s in T.serial(num_splits):
-            top[0] = T.max(top[0], L_part[bx, by, s])
-        top[0] = softmax_offset(top[0])  # every split empty: 0, not -inf - -inf
-        total[0] = 0
-        for s in T.serial(num_splits):
-            total[0] += T.exp2(L_part[bx, by, s] - top[0])
-        lse[0] = T.log2(total[0]) + top[0]  # -inf when every split was empty
-        T.clear(o)
-        for s in T.serial(num_splits):
-            for j in T.Parallel(D_LATENT):
-                o[j] += T.if_then_else(total[0] == 0, 0, T.exp2(
-                    L_part[bx, by, s] - lse[0]) * O_part[bx, by, s, j])
-        T.copy(o, Out[bx, by, :])
-        LSE[bx, by % h_q, by // h_q] = lse[0] * LN2
+        merge(O_part, L_part, Out, LSE, bx, by, num_splits, None, h_q)
+
+
+COMBINE_CTAS = 512  # the planned combine's grid: it walks the rows of the split sequences
+
+
+@T.macro
+def combine_segments(O_part, L_part, Out, LSE, parts, seqs, batch, rows, slots, h_q: int):
+    """The second kernel of a planned launch: the partials of each sequence in more than one
+    segment merged, row by row over the plan's list of split sequences (parts[:, 3] of them, in
+    seqs[:, 4]), so that a batch with none costs a few idle CTAs, not one per row. Indices are
+    clamped as `segment` clamps them."""
+    with T.Kernel(COMBINE_CTAS, threads=128) as bx:
+        work = T.min(T.max(parts[0, 3], 0), batch) * rows
+        for it in T.serial(T.ceildiv(T.max(work - bx, 0), COMBINE_CTAS)):
+            w = bx + it * COMBINE_CTAS
+            b = T.min(T.max(seqs[w // rows, 4], 0), batch - 1)
+            n = T.min(T.max(seqs[b, 3], 1), slots)
+            merge(O_part, L_part, Out, LSE, b, w % rows, n,
+                  T.min(T.max(seqs[b, 1], 0), slots - n), h_q)
 
 
 def gpu_program(h_q: int, s_q: int, dtype: str, *, block_H: int, block_N: int, num_stages: int,
                 threads: int, num_splits: int):
     """The GPU tile program (wgmma on sm_90a, mma on older CUDA); `threads` 384 is
     `seesaw_program`, which takes 64 rows and 64-key blocks in two buffers."""
-    if threads == SEESAW_THREADS:
-        return seesaw_program(h_q, s_q, dtype, num_splits=num_splits)
+    if threads == SEESAW_THREADS:  # its splits come from the plan: num_splits is 1
+        return seesaw_program(h_q, s_q, dtype)
     batch, pages, table_w = T.dynamic("batch"), T.dynamic("pages"), T.dynamic("table_w")
     rows = s_q * h_q
     row_tiles = T.ceildiv(rows, block_H)
@@ -206,7 +294,7 @@ def _seesaw_registers(dtype: str):
             T.alloc_fragment((64, PAGE), dtype), *(row() for _ in range(7)))
 
 
-def seesaw_program(h_q: int, s_q: int, dtype: str, *, num_splits: int):
+def seesaw_program(h_q: int, s_q: int, dtype: str):
     """FlashMLA's "seesaw" schedule (sm_90): two consumer warpgroups share one 64-row tile's
     64 x 512 output, warpgroup 0 holding columns 0-255 (O_L) and warpgroup 1 columns 256-511
     (O_R), and take the key blocks in pairs, warpgroup 0 the first of a pair (block 0), 1 the
@@ -224,8 +312,15 @@ def seesaw_program(h_q: int, s_q: int, dtype: str, *, num_splits: int):
     first tile to land. P1 goes through block 1's rope tile, dead once S1 is computed: Q, two key
     blocks and P0 fill 224 KiB. Rows past the keys of the split (the last pair's, or a block past
     an odd count, which loads the split's last page again) are masked, and each warpgroup zeroes
-    them in the value tiles it multiplies (stale NaN/Inf must not reach P V through 0 * NaN)."""
+    them in the value tiles it multiplies (stale NaN/Inf must not reach P V through 0 * NaN).
+
+    The work comes from a plan balanced by keys (plan.py): the CTA of row tile by and part bz
+    walks its part's segments, one sequence's key blocks each, carrying the pair count (the
+    barriers' phases) from one to the next. Q is a one-deep pipeline of its own (q_full,
+    q_empty), freed after each warpgroup's last Q K^T of a segment, so the next sequence's Q
+    loads while this one's last products and its store run."""
     batch, pages, table_w = T.dynamic("batch"), T.dynamic("pages"), T.dynamic("table_w")
+    n_parts, slots = T.dynamic("n_parts"), T.dynamic("slots")
     rows = s_q * h_q  # below 64 or a multiple of it (spec.HEADS, spec.S_Q)
     H, N, HALF = 64, PAGE, D_LATENT // 2
     neg_inf = -T.infinity(ACCUM)
@@ -270,14 +365,14 @@ def seesaw_program(h_q: int, s_q: int, dtype: str, *, num_splits: int):
                        annotations={"emit_arrive": 1})
 
     @T.macro
-    def fill(KV, block_table, K_t, full, empty, b, bx, start, end, pairs):
-        """The producer warp of block b of each pair."""
+    def fill(KV, block_table, K_t, full, empty, b, bx, start, end, pairs, done):
+        """The producer warp of block b of each pair of a segment; `done` pairs came before."""
         for i in T.serial(pairs):
-            # A block past an odd count loads the split's last page again (masked).
+            # A block past an odd count loads the segment's last page again (masked).
             page = page_of(block_table, bx, T.min(start + 2 * i + b, end - 1) * N, pages)
-            load(KV, K_t, full, empty, b, loads[b][0], page, i % 2)
-            load(KV, K_t, full, empty, b, loads[b][1], page, i % 2)
-            load(KV, K_t, full, empty, b, loads[b][2], page, i % 2)
+            load(KV, K_t, full, empty, b, loads[b][0], page, (done + i) % 2)
+            load(KV, K_t, full, empty, b, loads[b][1], page, (done + i) % 2)
+            load(KV, K_t, full, empty, b, loads[b][2], page, (done + i) % 2)
 
     @T.macro
     def mask(S, pos, kv_end, seqlen, r0):
@@ -296,29 +391,33 @@ def seesaw_program(h_q: int, s_q: int, dtype: str, *, num_splits: int):
             T.sync_threads(barrier, 128)
 
     @T.macro
-    def finish(O, l, m, msc, l_s, wg, scale, Out, LSE, O_part, L_part, bx, r0, bz):  # noqa: E741
-        """Warpgroup wg's half of the output: l summed over both (each counted its own blocks'
-        rows, at the same final max), then normalised and stored (`store`)."""
+    def finish(O, l, m, msc, l_s, wg, scale, Out, LSE, O_part, L_part, bx, r0, slot,  # noqa: E741
+               k):
+        """Warpgroup wg's half of segment k's output: l summed over both (each counted its own
+        blocks' rows, at the same final max), then normalised and stored (`store_segment`).
+        l_s alternates with the segments: two in a row (empty sequences) have no pair between
+        them whose barriers would order one's reads before the next one's writes."""
         for r in T.Parallel(H):
-            l_s[wg, r] = l[r]
+            l_s[k % 2, wg, r] = l[r]
         T.sync_threads(FINAL, 256)
         for r in T.Parallel(H):
-            l[r] += l_s[1 - wg, r]
+            l[r] += l_s[k % 2, 1 - wg, r]
             msc[r] = softmax_offset(m[r], scale)
-        store(O, l, msc, Out, LSE, O_part, L_part, bx, r0, bz, wg * HALF, rows, h_q, num_splits)
+        store_segment(O, l, msc, Out, LSE, O_part, L_part, bx, r0, slot, wg * HALF, rows, h_q)
 
     @T.prim_func
     def mla_decode(Q: T.Tensor((batch, rows, D_QK), dtype),
                    KV: T.Tensor((pages, PAGE, 1, D_QK), dtype),
                    block_table: T.Tensor((batch, table_w), "int32"),
                    cache_seqlens: T.Tensor((batch,), "int32"),
+                   parts: T.Tensor((n_parts, 4), "int32"),
+                   seqs: T.Tensor((batch, 5), "int32"),
                    scale: T.float32,
-                   O_part: T.Tensor((batch, rows, num_splits, D_LATENT), ACCUM),
-                   L_part: T.Tensor((batch, rows, num_splits), ACCUM),
+                   O_part: T.Tensor((slots, rows, D_LATENT), ACCUM),
+                   L_part: T.Tensor((slots, rows), ACCUM),
                    Out: T.Tensor((batch, rows, D_LATENT), dtype),
                    LSE: T.Tensor((batch, h_q, s_q), ACCUM)):
-        with T.Kernel(T.ceildiv(rows, H), batch, num_splits, threads=SEESAW_THREADS) as (by, bx,
-                                                                                      bz):
+        with T.Kernel(T.ceildiv(rows, H), n_parts, threads=SEESAW_THREADS) as (by, bz):
             # Each tile named by its own assignment: unnamed ones are all "v", and TileLang
             # would place them in an order that follows Python's string hashing.
             Q_lo = T.alloc_shared((H, HALF), dtype)
@@ -335,125 +434,153 @@ def seesaw_program(h_q: int, s_q: int, dtype: str, *, num_splits: int):
             m_s = T.alloc_shared((H,), ACCUM)  # the running max after the last block softmaxed
             a0_s = T.alloc_shared((H,), ACCUM)
             a1_s = T.alloc_shared((H,), ACCUM)
-            l_s = T.alloc_shared((2, H), ACCUM)
+            l_s = T.alloc_shared((2, 2, H), ACCUM)
             q_full = T.alloc_barrier(3)
+            q_empty = T.alloc_barrier(256)
             full = T.alloc_barrier([1] * 6)
             empty = T.alloc_barrier(list(readers))
             O_L, S0, P0, m, m_prev, msc, a0, a1, rowsum, l = _seesaw_registers(dtype)  # noqa: E741
             O_R, S1, P1, m1, m1_prev, msc1, b0, b1, rowsum1, l1 = _seesaw_registers(dtype)
 
+            done = T.alloc_local((1,), "int32")  # pairs of the segments before this one
             tx = T.get_thread_binding()
             r0 = by * H
-            seqlen = seq_len(cache_seqlens, bx, table_w)
-            n_blocks = T.ceildiv(seqlen, N)
-            per_split = T.ceildiv(n_blocks, num_splits)
-            start = bz * per_split
-            end = T.min(start + per_split, n_blocks)
-            kv_end = T.min(seqlen, end * N)
-            pairs = T.ceildiv(T.max(end - start, 0), 2)
+            count = segments(parts, bz, batch)
+            done[0] = 0
 
             if tx < 128:
                 T.set_max_nreg(240, 1)
-                T.fill(O_L, 0)
-                T.fill(l, 0)
-                T.fill(m, neg_inf)
-                T.mbarrier_wait_parity(q_full[0], 0)
-                for i in T.serial(pairs):
-                    pos = (start + 2 * i) * N
-                    qk(Q_t, K0, full, 0, S0, i % 2)
-                    T.barrier_arrive(empty[2])
-                    T.barrier_arrive(empty[1])
-                    mask(S0, pos, kv_end, seqlen, r0)
-                    online_softmax(S0, m, m_prev, msc, a0, rowsum, l, scale)
-                    for r in T.Parallel(H):
-                        m_s[r] = m[r]
-                        a0_s[r] = a0[r]
-                    T.named_barrier_arrive(SCALE0, 256)
-                    for r, c in T.Parallel(H, HALF):
-                        O_L[r, c] *= a0[r]
-                    T.copy(S0, P0)
-                    zero_tail(K0[0], pos, kv_end, ZERO0)
-                    T.wgmma_gemm(P0, K0[0], O_L)
-                    T.sync_threads(SCALE1, 256)
-                    for r in T.Parallel(H):
-                        a1[r] = a1_s[r]
-                        m[r] = m_s[r]
-                    for r, c in T.Parallel(H, N):
-                        S0[r, c] *= a1[r]
-                    T.copy(S0, P0_s)
-                    T.fence_proxy_async()
-                    T.named_barrier_arrive(P0_READY, 256)
-                    T.wait_wgmma(0)
-                    T.barrier_arrive(empty[0])
-                    for r, c in T.Parallel(H, HALF):
-                        O_L[r, c] *= a1[r]
-                    for r in T.Parallel(H):
-                        l[r] *= a1[r]
-                    T.sync_threads(P1_READY, 256)
-                    zero_tail(K1[0], pos + N, kv_end, ZERO0)
-                    T.wgmma_gemm(K1[2], K1[0], O_L)
-                    T.wait_wgmma(0)
-                    T.barrier_arrive(empty[3])
-                    T.barrier_arrive(empty[5])
-                finish(O_L, l, m, msc, l_s, 0, scale, Out, LSE, O_part, L_part, bx, r0, bz)
+                for k in T.serial(count):
+                    bx = part_seq(parts, bz, k, batch)
+                    seqlen, start, end, slot = segment(parts, seqs, cache_seqlens, bz, bx, table_w,
+                                                       slots)
+                    kv_end = T.min(seqlen, end * N)
+                    pairs = T.ceildiv(end - start, 2)
+                    T.fill(O_L, 0)
+                    T.fill(l, 0)
+                    T.fill(m, neg_inf)
+                    T.mbarrier_wait_parity(q_full[0], k % 2)
+                    for i in T.serial(pairs):
+                        pos = (start + 2 * i) * N
+                        qk(Q_t, K0, full, 0, S0, (done[0] + i) % 2)
+                        if i == pairs - 1:  # Q's last reader in this segment
+                            T.barrier_arrive(q_empty[0])
+                        T.barrier_arrive(empty[2])
+                        T.barrier_arrive(empty[1])
+                        mask(S0, pos, kv_end, seqlen, r0)
+                        online_softmax(S0, m, m_prev, msc, a0, rowsum, l, scale)
+                        for r in T.Parallel(H):
+                            m_s[r] = m[r]
+                            a0_s[r] = a0[r]
+                        T.named_barrier_arrive(SCALE0, 256)
+                        for r, c in T.Parallel(H, HALF):
+                            O_L[r, c] *= a0[r]
+                        T.copy(S0, P0)
+                        zero_tail(K0[0], pos, kv_end, ZERO0)
+                        T.wgmma_gemm(P0, K0[0], O_L)
+                        T.sync_threads(SCALE1, 256)
+                        for r in T.Parallel(H):
+                            a1[r] = a1_s[r]
+                            m[r] = m_s[r]
+                        for r, c in T.Parallel(H, N):
+                            S0[r, c] *= a1[r]
+                        T.copy(S0, P0_s)
+                        T.fence_proxy_async()
+                        T.named_barrier_arrive(P0_READY, 256)
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(empty[0])
+                        for r, c in T.Parallel(H, HALF):
+                            O_L[r, c] *= a1[r]
+                        for r in T.Parallel(H):
+                            l[r] *= a1[r]
+                        T.sync_threads(P1_READY, 256)
+                        zero_tail(K1[0], pos + N, kv_end, ZERO0)
+                        T.wgmma_gemm(K1[2], K1[0], O_L)
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(empty[3])
+                        T.barrier_arrive(empty[5])
+                    if pairs == 0:
+                        T.barrier_arrive(q_empty[0])
+                    finish(O_L, l, m, msc, l_s, 0, scale, Out, LSE, O_part, L_part, bx, r0, slot, k)
+                    done[0] += pairs
             elif tx < 256:
                 T.set_max_nreg(240, 1)
-                T.fill(O_R, 0)
-                T.fill(l1, 0)
-                T.mbarrier_wait_parity(q_full[0], 0)
-                for i in T.serial(pairs):
-                    pos = (start + 2 * i + 1) * N
-                    qk(Q_t, K1, full, 1, S1, i % 2)
-                    T.barrier_arrive(empty[3])
-                    mask(S1, pos, kv_end, seqlen, r0)
-                    T.sync_threads(SCALE0, 256)
-                    for r in T.Parallel(H):
-                        m1[r] = m_s[r]
-                        b0[r] = a0_s[r]
-                        l1[r] *= b0[r]
-                    online_softmax(S1, m1, m1_prev, msc1, b1, rowsum1, l1, scale)
-                    for r in T.Parallel(H):
-                        m_s[r] = m1[r]
-                        a1_s[r] = b1[r]
-                    T.named_barrier_arrive(SCALE1, 256)
-                    for r, c in T.Parallel(H, HALF):
-                        O_R[r, c] *= b0[r] * b1[r]
-                    T.copy(S1, P1)
-                    T.copy(S1, K1[2])
-                    T.fence_proxy_async()
-                    T.named_barrier_arrive(P1_READY, 256)
-                    zero_tail(K1[1], pos, kv_end, ZERO1)
-                    T.wgmma_gemm(P1, K1[1], O_R)
-                    T.sync_threads(P0_READY, 256)
-                    zero_tail(K0[1], pos - N, kv_end, ZERO1)
-                    T.wgmma_gemm(P0_s, K0[1], O_R)
-                    T.wait_wgmma(0)
-                    T.barrier_arrive(empty[4])
-                    T.barrier_arrive(empty[1])
-                finish(O_R, l1, m1, msc1, l_s, 1, scale, Out, LSE, O_part, L_part, bx, r0, bz)
+                for k in T.serial(count):
+                    bx = part_seq(parts, bz, k, batch)
+                    seqlen, start, end, slot = segment(parts, seqs, cache_seqlens, bz, bx, table_w,
+                                                       slots)
+                    kv_end = T.min(seqlen, end * N)
+                    pairs = T.ceildiv(end - start, 2)
+                    T.fill(O_R, 0)
+                    T.fill(l1, 0)
+                    T.mbarrier_wait_parity(q_full[0], k % 2)
+                    for i in T.serial(pairs):
+                        pos = (start + 2 * i + 1) * N
+                        qk(Q_t, K1, full, 1, S1, (done[0] + i) % 2)
+                        if i == pairs - 1:  # Q's last reader in this segment
+                            T.barrier_arrive(q_empty[0])
+                        T.barrier_arrive(empty[3])
+                        mask(S1, pos, kv_end, seqlen, r0)
+                        T.sync_threads(SCALE0, 256)
+                        for r in T.Parallel(H):
+                            m1[r] = m_s[r]
+                            b0[r] = a0_s[r]
+                            l1[r] *= b0[r]
+                        online_softmax(S1, m1, m1_prev, msc1, b1, rowsum1, l1, scale)
+                        for r in T.Parallel(H):
+                            m_s[r] = m1[r]
+                            a1_s[r] = b1[r]
+                        T.named_barrier_arrive(SCALE1, 256)
+                        for r, c in T.Parallel(H, HALF):
+                            O_R[r, c] *= b0[r] * b1[r]
+                        T.copy(S1, P1)
+                        T.copy(S1, K1[2])
+                        T.fence_proxy_async()
+                        T.named_barrier_arrive(P1_READY, 256)
+                        zero_tail(K1[1], pos, kv_end, ZERO1)
+                        T.wgmma_gemm(P1, K1[1], O_R)
+                        T.sync_threads(P0_READY, 256)
+                        zero_tail(K0[1], pos - N, kv_end, ZERO1)
+                        T.wgmma_gemm(P0_s, K0[1], O_R)
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(empty[4])
+                        T.barrier_arrive(empty[1])
+                    if pairs == 0:
+                        T.barrier_arrive(q_empty[0])
+                    finish(O_R, l1, m1, msc1, l_s, 1, scale, Out, LSE, O_part, L_part, bx, r0, slot, k)
+                    done[0] += pairs
             else:
                 T.set_max_nreg(24, 0)
                 w = (tx - 256) // 32
-                if w == 0:
-                    load_q(Q, Q_t, q_full, bx, r0, 0)
-                    load_q(Q, Q_t, q_full, bx, r0, 1)
-                    load_q(Q, Q_t, q_full, bx, r0, 2)
-                    fill(KV, block_table, K0, full, empty, 0, bx, start, end, pairs)
-                elif w == 1:
-                    fill(KV, block_table, K1, full, empty, 1, bx, start, end, pairs)
-        if num_splits > 1:
-            combine(O_part, L_part, Out, LSE, batch, rows, h_q, num_splits)
+                for k in T.serial(count):
+                    bx = part_seq(parts, bz, k, batch)
+                    seqlen, start, end, slot = segment(parts, seqs, cache_seqlens, bz, bx, table_w,
+                                                       slots)
+                    pairs = T.ceildiv(end - start, 2)
+                    if w == 0:
+                        fill(KV, block_table, K0, full, empty, 0, bx, start, end, pairs, done[0])
+                    elif w == 1:
+                        fill(KV, block_table, K1, full, empty, 1, bx, start, end, pairs, done[0])
+                    elif w == 2:
+                        T.mbarrier_wait_parity(q_empty[0], (k % 2) ^ 1)
+                        load_q(Q, Q_t, q_full, bx, r0, 0)
+                        load_q(Q, Q_t, q_full, bx, r0, 1)
+                        load_q(Q, Q_t, q_full, bx, r0, 2)
+                    done[0] += pairs
+        combine_segments(O_part, L_part, Out, LSE, parts, seqs, batch, rows, slots, h_q)
 
     return mla_decode
 
 
-def cpu_program(h_q: int, s_q: int, dtype: str, *, block_H: int, block_N: int, num_splits: int):
-    """The CPU form of the same program for TileLang's C target (scalar loops, fp32 tiles).
+def cpu_program(h_q: int, s_q: int, dtype: str, *, block_H: int, block_N: int):
+    """The CPU form of the seesaw's work for TileLang's C target (scalar loops, fp32 tiles): the
+    same plan walked by the same `segment` arithmetic, so CI checks it on ragged batches.
 
     Every key block is loaded with the length predicate and masked, so it needs no separate last
-    block. The CPU program always goes through the partial buffers and the combine kernel.
+    block.
     """
     batch, pages, table_w = TC.dynamic("batch"), TC.dynamic("pages"), TC.dynamic("table_w")
+    n_parts, slots = TC.dynamic("n_parts"), TC.dynamic("slots")
     rows = s_q * h_q
     neg_inf = -TC.infinity(ACCUM)
     io = bits(dtype)
@@ -463,12 +590,14 @@ def cpu_program(h_q: int, s_q: int, dtype: str, *, block_H: int, block_N: int, n
                    KV: TC.Tensor((pages, PAGE, 1, D_QK), io),
                    block_table: TC.Tensor((batch, table_w), "int32"),
                    cache_seqlens: TC.Tensor((batch,), "int32"),
+                   parts: TC.Tensor((n_parts, 4), "int32"),
+                   seqs: TC.Tensor((batch, 5), "int32"),
                    scale: TC.float32,
-                   O_part: TC.Tensor((batch, rows, num_splits, D_LATENT), ACCUM),
-                   L_part: TC.Tensor((batch, rows, num_splits), ACCUM),
+                   O_part: TC.Tensor((slots, rows, D_LATENT), ACCUM),
+                   L_part: TC.Tensor((slots, rows), ACCUM),
                    Out: TC.Tensor((batch, rows, D_LATENT), io),
                    LSE: TC.Tensor((batch, h_q, s_q), ACCUM)):
-        with TC.Kernel(batch, TC.ceildiv(rows, block_H), num_splits) as (bx, by, bz):
+        with TC.Kernel(TC.ceildiv(rows, block_H), n_parts) as (by, bz):
             q = TC.alloc_local((block_H, D_QK), ACCUM)
             k = TC.alloc_local((block_N, D_QK), ACCUM)
             s = TC.alloc_local((block_H, block_N), ACCUM)
@@ -478,69 +607,83 @@ def cpu_program(h_q: int, s_q: int, dtype: str, *, block_H: int, block_N: int, n
             l = TC.alloc_local((block_H,), ACCUM)
             prev = TC.alloc_local((2,), ACCUM)  # the row's previous max, its rescale factor
             r0 = by * block_H
-            for i, c in TC.grid(block_H, D_QK):
-                q[i, c] = TC.if_then_else(r0 + i < rows, to_f32(Q[bx, r0 + i, c], dtype), 0.0)
-            for i, c in TC.grid(block_H, D_LATENT):
-                acc[i, c] = 0.0
-            for i in TC.serial(block_H):
-                m[i] = neg_inf
-                msc[i] = 0.0
-                l[i] = 0.0
-            seqlen = seq_len(cache_seqlens, bx, table_w)
-            n_blocks = TC.ceildiv(seqlen, block_N)
-            per_split = TC.ceildiv(n_blocks, num_splits)
-            start = bz * per_split
-            for kb in TC.serial(TC.max(TC.min(start + per_split, n_blocks) - start, 0)):
-                pos = (start + kb) * block_N
-                page = page_of(block_table, bx, pos, pages)
-                for j, c in TC.grid(block_N, D_QK):
-                    k[j, c] = TC.if_then_else(pos + j < seqlen,
-                                              to_f32(KV[page, pos % PAGE + j, 0, c], dtype), 0.0)
-                for i, j in TC.grid(block_H, block_N):
-                    s[i, j] = 0.0
-                for i, j, c in TC.grid(block_H, block_N, D_QK):
-                    s[i, j] += q[i, c] * k[j, c]
+            for sg in TC.serial(segments(parts, bz, batch)):
+                b = part_seq(parts, bz, sg, batch)
+                seqlen, start, end, slot = segment(parts, seqs, cache_seqlens, bz, b, table_w,
+                                                   slots)
+                kv_end = TC.min(seqlen, end * PAGE)
+                for i, c in TC.grid(block_H, D_QK):
+                    q[i, c] = TC.if_then_else(r0 + i < rows, to_f32(Q[b, r0 + i, c], dtype),
+                                              0.0)
+                for i, c in TC.grid(block_H, D_LATENT):
+                    acc[i, c] = 0.0
                 for i in TC.serial(block_H):
-                    prev[0] = m[i]
-                    visible = seqlen - (s_q - 1 - (r0 + i) // h_q)
-                    for j in TC.serial(block_N):
-                        s[i, j] = TC.if_then_else(pos + j < visible, s[i, j], neg_inf)
-                        m[i] = TC.max(m[i], s[i, j])
-                    msc[i] = softmax_offset(m[i], scale)
-                    prev[1] = TC.exp2(prev[0] * scale - msc[i])
-                    l[i] *= prev[1]
-                    for c in TC.serial(D_LATENT):
-                        acc[i, c] *= prev[1]
-                    for j in TC.serial(block_N):
-                        s[i, j] = TC.exp2(s[i, j] * scale - msc[i])
-                        l[i] += s[i, j]
-                for i, j, c in TC.grid(block_H, block_N, D_LATENT):
-                    acc[i, c] += s[i, j] * k[j, c]
-            for i in TC.serial(block_H):
-                if r0 + i < rows:
-                    L_part[bx, r0 + i, bz] = TC.log2(l[i]) + msc[i]
-                    for c in TC.serial(D_LATENT):  # l == 0: no key; NaN stays NaN
-                        O_part[bx, r0 + i, bz, c] = TC.if_then_else(l[i] == 0, 0.0,
-                                                                    acc[i, c] / l[i])
-        with TC.Kernel(batch, rows) as (bx, by):
+                    m[i] = neg_inf
+                    msc[i] = 0.0
+                    l[i] = 0.0
+                for kb in TC.serial(TC.ceildiv(TC.max(kv_end - start * PAGE, 0), block_N)):
+                    pos = start * PAGE + kb * block_N
+                    page = page_of(block_table, b, pos, pages)
+                    for j, c in TC.grid(block_N, D_QK):
+                        k[j, c] = TC.if_then_else(pos + j < kv_end, to_f32(
+                            KV[page, pos % PAGE + j, 0, c], dtype), 0.0)
+                    for i, j in TC.grid(block_H, block_N):
+                        s[i, j] = 0.0
+                    for i, j, c in TC.grid(block_H, block_N, D_QK):
+                        s[i, j] += q[i, c] * k[j, c]
+                    for i in TC.serial(block_H):
+                        prev[0] = m[i]
+                        visible = TC.min(kv_end, seqlen - (s_q - 1 - (r0 + i) // h_q))
+                        for j in TC.serial(block_N):
+                            s[i, j] = TC.if_then_else(pos + j < visible, s[i, j], neg_inf)
+                            m[i] = TC.max(m[i], s[i, j])
+                        msc[i] = softmax_offset(m[i], scale)
+                        prev[1] = TC.exp2(prev[0] * scale - msc[i])
+                        l[i] *= prev[1]
+                        for c in TC.serial(D_LATENT):
+                            acc[i, c] *= prev[1]
+                        for j in TC.serial(block_N):
+                            s[i, j] = TC.exp2(s[i, j] * scale - msc[i])
+                            l[i] += s[i, j]
+                    for i, j, c in TC.grid(block_H, block_N, D_LATENT):
+                        acc[i, c] += s[i, j] * k[j, c]
+                for i in TC.serial(block_H):
+                    if r0 + i < rows:
+                        for c in TC.serial(D_LATENT):  # l == 0: no key; NaN stays NaN
+                            acc[i, c] = TC.if_then_else(l[i] == 0, 0.0, acc[i, c] / l[i])
+                        if slot < 0:
+                            # Element by element: the C backend's vectorised fp16 cast is broken.
+                            for c in TC.serial(D_LATENT):
+                                Out[b, r0 + i, c] = from_f32(acc[i, c], dtype)
+                            LSE[b, (r0 + i) % h_q, (r0 + i) // h_q] = \
+                                (TC.log2(l[i]) + msc[i]) * LN2
+                        else:
+                            L_part[slot, r0 + i] = TC.log2(l[i]) + msc[i]
+                            for c in TC.serial(D_LATENT):
+                                O_part[slot, r0 + i, c] = acc[i, c]
+        with TC.Kernel(1) as _:
             o = TC.alloc_local((D_LATENT,), ACCUM)
             t = TC.alloc_local((3,), ACCUM)  # running max, sum, lse
-            t[0] = neg_inf
-            for sp in TC.serial(num_splits):
-                t[0] = TC.max(t[0], L_part[bx, by, sp])
-            t[0] = softmax_offset(t[0])  # every split empty (no key): 0, as in the GPU program
-            t[1] = 0.0
-            for sp in TC.serial(num_splits):
-                t[1] += TC.exp2(L_part[bx, by, sp] - t[0])
-            t[2] = TC.log2(t[1]) + t[0]  # -inf when no split saw a key
-            for c in TC.serial(D_LATENT):
-                o[c] = 0.0
-            for sp, c in TC.grid(num_splits, D_LATENT):
-                o[c] += TC.if_then_else(t[1] == 0, 0.0, TC.exp2(L_part[bx, by, sp] - t[2])
-                                        * O_part[bx, by, sp, c])
-            # Element by element: the C backend's vectorised fp16 cast is broken.
-            for c in TC.serial(D_LATENT):
-                Out[bx, by, c] = from_f32(o[c], dtype)
-            LSE[bx, by % h_q, by // h_q] = t[2] * LN2
+            for w in TC.serial(TC.min(TC.max(parts[0, 3], 0), batch) * rows):  # as on the GPU
+                b = TC.min(TC.max(seqs[w // rows, 4], 0), batch - 1)
+                by = w % rows
+                n = TC.min(TC.max(seqs[b, 3], 1), slots)
+                base = TC.min(TC.max(seqs[b, 1], 0), slots - n)
+                t[0] = neg_inf
+                for sp in TC.serial(n):
+                    t[0] = TC.max(t[0], L_part[base + sp, by])
+                t[0] = softmax_offset(t[0])  # every split empty (no key): 0, as on the GPU
+                t[1] = 0.0
+                for sp in TC.serial(n):
+                    t[1] += TC.exp2(L_part[base + sp, by] - t[0])
+                t[2] = TC.log2(t[1]) + t[0]  # -inf when no split saw a key
+                for c in TC.serial(D_LATENT):
+                    o[c] = 0.0
+                for sp, c in TC.grid(n, D_LATENT):
+                    o[c] += TC.if_then_else(t[1] == 0, 0.0, TC.exp2(L_part[base + sp, by] - t[2])
+                                            * O_part[base + sp, by, c])
+                for c in TC.serial(D_LATENT):
+                    Out[b, by, c] = from_f32(o[c], dtype)
+                LSE[b, by % h_q, by // h_q] = t[2] * LN2
 
     return mla_decode

@@ -35,11 +35,12 @@ import torch
 
 from ... import autotune
 from ...spec import Backend, Call, Config, OpSpec, Space, check_scale, pow2_bucket, refuse_grad
-from ...target import Target
+from ...target import Target, target_of
 from ..common import LOG2E
 from ..host import DTYPE_SIZES, DTYPES, dtype_name, smem_limit
 from . import kernels
 from .kernels import D_LATENT, D_QK, PAGE
+from .plan import MlaPlan, balanced_plan, parts_for
 
 SUPPORTED = {"cuda": ("float16", "bfloat16"), "cpu": ("float32", "float16", "bfloat16")}
 HEADS = (16, 32, 64, 128)
@@ -64,22 +65,26 @@ class MlaMetadata(NamedTuple):
     equal (a `torch.compile`d caller is not recompiled per length). It chooses the configuration
     only: a call whose lengths outgrow it still attends to every key (the kernels read the lengths
     on the device), with a configuration chosen for shorter sequences. `batch`, `h_q`, `s_q` must
-    match the call's q.
+    match the call's q. `plan` is the step's split-KV plan, balanced by keys over the device's
+    SMs (plan.py): made on the device with no read back, and valid for every layer of the step.
     """
 
     seqlen_bucket: int
     batch: int
     h_q: int
     s_q: int
+    plan: MlaPlan | None = None
 
 
 def mla_metadata(cache_seqlens: torch.Tensor, h_q: int, s_q: int = 1, *,
                  max_seqlen: int | None = None) -> MlaMetadata:
-    """The metadata of one decode step, to pass to each layer's `mla_decode(..., metadata=md)`.
+    """The metadata of one decode step, to pass to each layer's `mla_decode(..., metadata=md)`:
+    the kernel's key and the step's split-KV plan (`MlaMetadata`).
 
     Reads `cache_seqlens.max()` back to the host once (a synchronisation), unless the caller
     knows the longest length on the host already and passes `max_seqlen` (serving engines track
-    lengths on the CPU): then nothing is read, and it may be called inside CUDA-graph capture.
+    lengths on the CPU): then nothing is read, and it may be called inside CUDA-graph capture
+    (the plan is made by device ops from the lengths).
     """
     if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype != torch.int32:
         raise TypeError("mla_metadata: cache_seqlens must be an int32 tensor, got "
@@ -99,7 +104,12 @@ def mla_metadata(cache_seqlens: torch.Tensor, h_q: int, s_q: int = 1, *,
         max_seqlen = int(cache_seqlens.max())
     elif isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
         raise ValueError(f"mla_metadata: max_seqlen must be an int >= 0, got {max_seqlen!r}")
-    return MlaMetadata(pow2_bucket(max(max_seqlen, 1)), cache_seqlens.shape[0], h_q, s_q)
+    plan = balanced_plan(cache_seqlens, None, _parts(cache_seqlens.device, h_q, s_q))
+    return MlaMetadata(pow2_bucket(max(max_seqlen, 1)), cache_seqlens.shape[0], h_q, s_q, plan)
+
+
+def _parts(device: torch.device, h_q: int, s_q: int) -> int:
+    return parts_for(target_of(device).units or 1, s_q * h_q)
 
 
 class MlaArgs(NamedTuple):
@@ -114,40 +124,53 @@ class MlaArgs(NamedTuple):
     h_q: int
     max_keys: int  # a bound on every clamped length, known on the host: the keys the baseline
     # gathers (the longest length where it was read, else 64 * max_blocks)
+    plan: MlaPlan  # the step's (metadata's), else made for this call
 
 
 class _MlaKernel:
     """A compiled MLA program with its calling convention: it allocates the split-KV partial
-    buffers (fp32) and, on the CPU target, passes bf16 tensors as their uint16 bits."""
+    buffers (fp32) and, on the CPU target, passes bf16 tensors as their uint16 bits. Programs
+    that walk a plan (the seesaw, the CPU form) take it after the lengths, and a slot per segment
+    (at most batch + parts); the others a partial per split of each sequence."""
 
     def __init__(self, kernel: Any, cpu: bool):
         self.kernel, self.cpu = kernel, cpu
-        self.num_splits = int(kernel.prim_func.buffer_map[kernel.prim_func.params[5]].shape[2])
+        buffers = {b.name: b for b in kernel.prim_func.buffer_map.values()}
+        self.planned = "parts" in buffers
+        self.num_splits = 0 if self.planned else int(buffers["O_part"].shape[2])
 
     def __call__(self, args: MlaArgs, out: torch.Tensor, lse: torch.Tensor) -> None:
         q = args.q
         B, rows, _ = q.shape
-        o_part = torch.empty(B, rows, self.num_splits, D_LATENT, dtype=torch.float32,
-                             device=q.device)
-        l_part = torch.empty(B, rows, self.num_splits, dtype=torch.float32, device=q.device)
         kv = args.kv_cache
+        if self.planned:
+            slots = B + args.plan.parts.shape[0]
+            o_part = torch.empty(slots, rows, D_LATENT, dtype=torch.float32, device=q.device)
+            l_part = torch.empty(slots, rows, dtype=torch.float32, device=q.device)
+            plan = args.plan
+        else:
+            o_part = torch.empty(B, rows, self.num_splits, D_LATENT, dtype=torch.float32,
+                                 device=q.device)
+            l_part = torch.empty(B, rows, self.num_splits, dtype=torch.float32, device=q.device)
+            plan = ()
         if self.cpu and q.dtype is torch.bfloat16:
             q, kv, out = q.view(torch.uint16), kv.view(torch.uint16), out.view(torch.uint16)
-        self.kernel(q, kv, args.block_table, args.cache_seqlens, args.scale_log2, o_part, l_part,
-                    out, lse)
+        self.kernel(q, kv, args.block_table, args.cache_seqlens, *plan, args.scale_log2, o_part,
+                    l_part, out, lse)
 
 
 def _cuda_default(problem: MlaProblem, target: Target, space: Space) -> Config:
-    """64 query rows per CTA; enough KV splits to fill the machine (`default_splits`). On sm_90
-    from 128 rows (s_q * h_q), where the kernel is bound by its products, the seesaw schedule:
-    the tuned records took it for every such problem they hold (benchmarks/NOTES.md)."""
+    """On sm_90 the seesaw schedule over the plan balanced by keys (which fills the machine at
+    every batch and mix of lengths); elsewhere 64 query rows per CTA and enough KV splits to fill
+    the machine (`default_splits`)."""
     rows = problem.s_q * problem.h_q
     ctas = problem.batch * -(-rows // 64)
+    if target.is_hopper:
+        return {"block_H": 64, "block_N": 64, "num_stages": 2,
+                "threads": kernels.SEESAW_THREADS, "num_splits": 1}
     # Two stages of 64 keys take 226 KiB of shared memory: sm_90's budget, not sm_80's.
     block_N = 64 if smem_limit(target.arch) >= 226 * 1024 else 32
-    seesaw = target.is_hopper and rows >= 128
-    return {"block_H": 64, "block_N": block_N, "num_stages": 2,
-            "threads": kernels.SEESAW_THREADS if seesaw else 256,
+    return {"block_H": 64, "block_N": block_N, "num_stages": 2, "threads": 256,
             "num_splits": default_splits(ctas, problem.seqlen, block_N, target.units or 132)}
 
 
@@ -159,6 +182,8 @@ def _check_cuda(problem: MlaProblem, config: Config, target: Target) -> str | No
             return "the seesaw schedule (384 threads) is sm_90's: TMA, wgmma, setmaxnreg"
         if (bh, bn, config["num_stages"]) != (64, 64, 2):
             return "the seesaw schedule (384 threads) takes 64 rows, 64-key blocks in 2 buffers"
+        if config["num_splits"] != 1:
+            return "the seesaw schedule (384 threads) takes its splits from the plan"
     # Q, the pipelined key/value tiles, P; and about 2 KiB of barriers and alignment.
     smem = (bh * D_QK + config["num_stages"] * bn * D_QK + bh * bn) * 2 + 2048
     if smem > smem_limit(target.arch):
@@ -221,7 +246,7 @@ class MlaDecodeSpec(OpSpec):
             _refuse(q, kv_cache, block_table, cache_seqlens, head_dim_v)
         block_table, cache_seqlens = block_table.contiguous(), cache_seqlens.contiguous()
         if metadata is not None:
-            metadata = _checked_metadata(metadata, B, h_q, s_q)
+            metadata = _checked_metadata(metadata, B, h_q, s_q, q.device)
         if softmax_scale is None:
             softmax_scale = D_QK ** -0.5
         elif not check_scale(softmax_scale, "mla_decode") > 0:  # the kernels take the row max
@@ -230,9 +255,11 @@ class MlaDecodeSpec(OpSpec):
         width = block_table.shape[1] * PAGE  # what the kernels clamp every length to
         problem = MlaProblem(B, pow2_bucket(max(s_q, min(longest, width))), h_q, s_q,
                              dtype_name(q.dtype))
+        plan = metadata.plan if metadata is not None and metadata.plan is not None else \
+            balanced_plan(cache_seqlens, block_table.shape[1], _parts(q.device, h_q, s_q))
         args = MlaArgs(q.contiguous().view(B, s_q * h_q, D_QK), kv_cache, block_table,
                        cache_seqlens, float(softmax_scale) * LOG2E, s_q, h_q,
-                       min(max(read, 0), width) if read is not None else width)
+                       min(max(read, 0), width) if read is not None else width, plan)
         return Call(q.device, problem, args)
 
     def parse_exact(self, text: str, dtype: str) -> MlaProblem:
@@ -282,7 +309,7 @@ class MlaDecodeSpec(OpSpec):
         return out
 
     def launch_baseline(self, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-        q, kv, table, seqlens, scale_log2, s_q, h_q, max_keys = args
+        q, kv, table, seqlens, scale_log2, s_q, h_q, max_keys, _ = args
         B = q.shape[0]
         pages = -(-max_keys // PAGE)
         table, seqlens = clamped(kv, table, seqlens)
@@ -420,9 +447,11 @@ def _longest(kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: t
     return read, read
 
 
-def _checked_metadata(metadata: Any, B: int, h_q: int, s_q: int) -> MlaMetadata:
-    """`metadata` as an MlaMetadata (the custom op hands it over as a list of its ints), made
-    for a call of this batch, h_q and s_q: metadata of another step or model is a mistake."""
+def _checked_metadata(metadata: Any, B: int, h_q: int, s_q: int, device: torch.device
+                      ) -> MlaMetadata:
+    """`metadata` as an MlaMetadata (the custom op hands it over as its ints and plan tensors),
+    made for a call of this batch, h_q and s_q: metadata of another step or model is a mistake.
+    """
     given = metadata
     if type(metadata) is not MlaMetadata:  # the common case skips the conversion: every layer
         try:
@@ -432,10 +461,20 @@ def _checked_metadata(metadata: Any, B: int, h_q: int, s_q: int) -> MlaMetadata:
     if metadata is None or type(metadata.seqlen_bucket) is not int or metadata.seqlen_bucket < 0:
         raise TypeError("mla_decode: metadata must be what tileops.mla_metadata returns, got "
                         f"{given!r}")
-    if metadata[1:] != (B, h_q, s_q):
+    if metadata[1:4] != (B, h_q, s_q):
         raise ValueError(f"mla_decode: metadata was made for batch {metadata.batch}, h_q "
                          f"{metadata.h_q}, s_q {metadata.s_q}; this call has batch {B}, h_q "
                          f"{h_q}, s_q {s_q}")
+    plan = metadata.plan
+    if plan is not None and not (
+            isinstance(plan, MlaPlan) and isinstance(plan.parts, torch.Tensor)
+            and isinstance(plan.seqs, torch.Tensor) and plan.parts.dtype == torch.int32
+            and plan.seqs.dtype == torch.int32 and plan.parts.dim() == 2
+            and plan.parts.shape[0] >= 1 and plan.parts.shape[1] == 4
+            and tuple(plan.seqs.shape) == (B, 5) and plan.parts.device == plan.seqs.device == device
+            and plan.parts.is_contiguous() and plan.seqs.is_contiguous()):
+        raise TypeError(f"mla_decode: metadata.plan must be the plan tileops.mla_metadata makes "
+                        f"for this batch of {B} on {device}")
     return metadata
 
 
