@@ -9,11 +9,13 @@ The batch, the number of cache pages and the block table's width are dynamic; se
 read from `cache_seqlens` at run time. Nothing the table or the lengths hold can make a program
 read outside its tensors: a length is clamped into [0, 64 * table width] and a page id into
 [0, pages) where they are read (`seq_len`, `page_of`), so the host need not check them (a check
-would read them back and synchronise). Each sequence's key blocks are divided among `num_splits`
-CTAs; with more than one split every CTA writes an fp32 partial output and its log2-sum-exp, and a
-second small kernel combines them. Token t of s_q sees keys j < seqlen - (s_q - 1 - t); a row that
-sees no key (a sequence shorter than s_q, even empty) gets zeros and a log-sum-exp of -inf, as in
-flash_attention, and a NaN input gives NaN.
+would read them back and synchronise). The seesaw (sm_90) and the CPU program take their work from
+a plan balanced by keys (plan.py): each CTA walks the pieces of sequences (segments) of its part,
+writing a sequence held by one segment directly and a split one's pieces as fp32 partials with
+their log2-sum-exps, which a second small kernel combines. The other GPU programs divide each
+sequence's key blocks among `num_splits` CTAs alike, combined the same way. Token t of s_q sees
+keys j < seqlen - (s_q - 1 - t); a row that sees no key (a sequence shorter than s_q, even empty)
+gets zeros and a log-sum-exp of -inf, as in flash_attention, and a NaN input gives NaN.
 
 Only a sequence's last key block can hold rows past its length or causally masked keys: the GPU
 program masks its scores and zeroes its value rows past the length in shared memory (a cache page
