@@ -46,6 +46,12 @@ def page_of(block_table, b, pos, pages):
     return T.min(T.max(block_table[b, pos // PAGE], 0), pages - 1)
 
 
+# The widths of a plan's two tensors (plan.py), as the programs read them: per part its first
+# and last sequence, payload and number of split sequences; per sequence its line position, first
+# slot, first part and number of segments, and the list of split sequences.
+PART_FIELDS, SEQ_FIELDS = 4, 5
+
+
 def part_seq(parts, p, k, batch):
     """The sequence of segment k of part p of a plan (plan.py), clamped into the batch."""
     return T.min(T.max(parts[p, 0] + k, 0), batch - 1)
@@ -412,8 +418,8 @@ def seesaw_program(h_q: int, s_q: int, dtype: str):
                    KV: T.Tensor((pages, PAGE, 1, D_QK), dtype),
                    block_table: T.Tensor((batch, table_w), "int32"),
                    cache_seqlens: T.Tensor((batch,), "int32"),
-                   parts: T.Tensor((n_parts, 4), "int32"),
-                   seqs: T.Tensor((batch, 5), "int32"),
+                   parts: T.Tensor((n_parts, PART_FIELDS), "int32"),
+                   seqs: T.Tensor((batch, SEQ_FIELDS), "int32"),
                    scale: T.float32,
                    O_part: T.Tensor((slots, rows, D_LATENT), ACCUM),
                    L_part: T.Tensor((slots, rows), ACCUM),
@@ -592,8 +598,8 @@ def cpu_program(h_q: int, s_q: int, dtype: str, *, block_H: int, block_N: int):
                    KV: TC.Tensor((pages, PAGE, 1, D_QK), io),
                    block_table: TC.Tensor((batch, table_w), "int32"),
                    cache_seqlens: TC.Tensor((batch,), "int32"),
-                   parts: TC.Tensor((n_parts, 4), "int32"),
-                   seqs: TC.Tensor((batch, 5), "int32"),
+                   parts: TC.Tensor((n_parts, PART_FIELDS), "int32"),
+                   seqs: TC.Tensor((batch, SEQ_FIELDS), "int32"),
                    scale: TC.float32,
                    O_part: TC.Tensor((slots, rows, D_LATENT), ACCUM),
                    L_part: TC.Tensor((slots, rows), ACCUM),

@@ -124,7 +124,7 @@ class MlaArgs(NamedTuple):
     h_q: int
     max_keys: int  # a bound on every clamped length, known on the host: the keys the baseline
     # gathers (the longest length where it was read, else 64 * max_blocks)
-    plan: MlaPlan  # the step's (metadata's), else made for this call
+    plan: MlaPlan | None  # the step's (metadata's); None: made by a kernel that walks one
 
 
 class _MlaKernel:
@@ -144,10 +144,12 @@ class _MlaKernel:
         B, rows, _ = q.shape
         kv = args.kv_cache
         if self.planned:
-            slots = B + args.plan.parts.shape[0]
+            plan = args.plan if args.plan is not None else balanced_plan(
+                args.cache_seqlens, args.block_table.shape[1], _parts(q.device, args.h_q,
+                                                                      args.s_q))
+            slots = B + plan.parts.shape[0]
             o_part = torch.empty(slots, rows, D_LATENT, dtype=torch.float32, device=q.device)
             l_part = torch.empty(slots, rows, dtype=torch.float32, device=q.device)
-            plan = args.plan
         else:
             o_part = torch.empty(B, rows, self.num_splits, D_LATENT, dtype=torch.float32,
                                  device=q.device)
@@ -163,11 +165,10 @@ def _cuda_default(problem: MlaProblem, target: Target, space: Space) -> Config:
     """On sm_90 the seesaw schedule over the plan balanced by keys (which fills the machine at
     every batch and mix of lengths); elsewhere 64 query rows per CTA and enough KV splits to fill
     the machine (`default_splits`)."""
-    rows = problem.s_q * problem.h_q
-    ctas = problem.batch * -(-rows // 64)
     if target.is_hopper:
         return {"block_H": 64, "block_N": 64, "num_stages": 2,
                 "threads": kernels.SEESAW_THREADS, "num_splits": 1}
+    ctas = problem.batch * -(-(problem.s_q * problem.h_q) // 64)
     # Two stages of 64 keys take 226 KiB of shared memory: sm_90's budget, not sm_80's.
     block_N = 64 if smem_limit(target.arch) >= 226 * 1024 else 32
     return {"block_H": 64, "block_N": block_N, "num_stages": 2, "threads": 256,
@@ -255,11 +256,10 @@ class MlaDecodeSpec(OpSpec):
         width = block_table.shape[1] * PAGE  # what the kernels clamp every length to
         problem = MlaProblem(B, pow2_bucket(max(s_q, min(longest, width))), h_q, s_q,
                              dtype_name(q.dtype))
-        plan = metadata.plan if metadata is not None and metadata.plan is not None else \
-            balanced_plan(cache_seqlens, block_table.shape[1], _parts(q.device, h_q, s_q))
         args = MlaArgs(q.contiguous().view(B, s_q * h_q, D_QK), kv_cache, block_table,
                        cache_seqlens, float(softmax_scale) * LOG2E, s_q, h_q,
-                       min(max(read, 0), width) if read is not None else width, plan)
+                       min(max(read, 0), width) if read is not None else width,
+                       None if metadata is None else metadata.plan)
         return Call(q.device, problem, args)
 
     def parse_exact(self, text: str, dtype: str) -> MlaProblem:
@@ -292,7 +292,7 @@ class MlaDecodeSpec(OpSpec):
     def dispatches_baseline(self, problem: MlaProblem, target: Target) -> bool:
         """Never: the baseline is torch gathering each sequence's pages for two matmuls, what
         the kernels are measured against, 3-40x slower than them at every suite shape on the
-        H200; a problem far from every record runs the default tile (the seesaw from 128 rows)."""
+        H200; a problem far from every record runs the default tile (on sm_90 the seesaw)."""
         return False
 
     # ---- kernels --------------------------------------------------------------------------------
@@ -470,8 +470,9 @@ def _checked_metadata(metadata: Any, B: int, h_q: int, s_q: int, device: torch.d
             isinstance(plan, MlaPlan) and isinstance(plan.parts, torch.Tensor)
             and isinstance(plan.seqs, torch.Tensor) and plan.parts.dtype == torch.int32
             and plan.seqs.dtype == torch.int32 and plan.parts.dim() == 2
-            and plan.parts.shape[0] >= 1 and plan.parts.shape[1] == 4
-            and tuple(plan.seqs.shape) == (B, 5) and plan.parts.device == plan.seqs.device == device
+            and plan.parts.shape[0] >= 1 and plan.parts.shape[1] == kernels.PART_FIELDS
+            and tuple(plan.seqs.shape) == (B, kernels.SEQ_FIELDS)
+            and plan.parts.device == plan.seqs.device == device
             and plan.parts.is_contiguous() and plan.seqs.is_contiguous()):
         raise TypeError(f"mla_decode: metadata.plan must be the plan tileops.mla_metadata makes "
                         f"for this batch of {B} on {device}")
