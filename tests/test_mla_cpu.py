@@ -137,6 +137,7 @@ def test_the_plan_takes_every_block_once_and_balances_the_parts(seed):
     taken = {b: [] for b in range(batch)}
     for (_, b), (start, end, slot) in sorted(found.items()):
         assert start < end or (start == end == 0 and lengths[b] == 0)  # no empty piece
+        assert start % 2 == 0  # cut between the pairs of blocks the seesaw takes
         taken[b].append((start, end, slot))
     load = [sum(e - s for (p, _), (s, e, _) in found.items() if p == q) for q in range(n_parts)]
     payload = plan.parts[0, 2].item()
@@ -156,6 +157,8 @@ def test_the_plan_takes_every_block_once_and_balances_the_parts(seed):
     assert uniform.parts[0, 2].item() == 32 and uniform.seqs[:, 3].eq(2).all()  # 2 pieces each
     whole = balanced_plan(torch.full((64,), 4096, dtype=torch.int32), 64, 66)
     assert whole.parts[0, 2].item() == 64 and whole.seqs[:, 3].eq(1).all()  # none split
+    odd = balanced_plan(torch.full((16,), 4000, dtype=torch.int32), 63, 132)  # 63 blocks each
+    assert odd.parts[0, 2].item() == 10 and odd.seqs[:, 3].eq(7).all()  # pieces of 5 pairs
     assert balanced_plan(torch.tensor([100], dtype=torch.int32), 2, 132).parts[0, 2] \
         == MIN_PAYLOAD
 
