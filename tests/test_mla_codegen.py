@@ -56,6 +56,8 @@ def test_seesaw_schedule_lowers_with_its_roles():
     assert src.count("EVICT_FIRST") == 6
     assert "q_empty[0].init(256)" in src  # Q reloaded per segment once both have read it
     assert "mla_decode_kernel_1" in src  # the combine of the split sequences
+    # ... launched as the seesaw's programmatic dependent, three 8-warp CTAs an SM
+    assert "cudaGridDependencySynchronize" in src and "__launch_bounds__(256, 3)" in src
 
 
 def test_seesaw_below_64_rows_stores_only_its_rows():

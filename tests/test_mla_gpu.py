@@ -164,6 +164,24 @@ def test_seesaw_schedule_cuda(h_q, s_q, n_parts):
     check(*out, reference(q, kv, table, seqlens))
 
 
+@pytest.mark.parametrize(("lens", "n_parts"), [((32768, 100), 300), ((8192,) * 40, 132)])
+def test_the_combine_over_many_pieces_and_many_rows_cuda(lens, n_parts):
+    # The combine's two regimes: one sequence in 256 pieces (8 warps a row, more pieces than its
+    # log-sum-exp pass loads at once) and 40 sequences of 4 pieces each (a warp a row).
+    target = target_of(CUDA)
+    problem = MLA_DECODE.Problem(len(lens), 32768, 16, 1, "bfloat16")
+    kernel = dispatch.compile_kernel(MLA_DECODE, problem, SEESAW, target)
+    q, kv, table, seqlens = MLA_DECODE.make_inputs(problem, CUDA, seed=n_parts)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=CUDA)
+    call = MLA_DECODE.prepare(q, kv, table, seqlens)
+    args = planned(call, n_parts)
+    assert int(args.plan.seqs[:, 3].max()) == (256 if n_parts == 300 else 4)
+    out = (torch.full((len(lens), 1, 16, 512), float("nan"), device=CUDA, dtype=torch.bfloat16),
+           torch.full((len(lens), 16, 1), float("nan"), device=CUDA))
+    MLA_DECODE.launch(kernel, args, out=out)
+    check(*out, reference(q, kv, table, seqlens))
+
+
 @pytest.mark.parametrize("h_q", [16, 128])
 def test_ragged_batch_over_the_plan_cuda(h_q):
     # A serving mix (empty, one key, 100 ... 8000 keys) through the call with the step's

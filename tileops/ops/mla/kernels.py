@@ -26,6 +26,7 @@ block with the length predicate.
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations, which
 # refer to closure variables.
 import tilelang.cpu.language as TC
+import tilelang.cuda.language as TL
 import tilelang.language as T
 
 from ..common import ACCUM, LN2, bits, from_f32, softmax_offset, to_f32
@@ -172,23 +173,114 @@ def combine(O_part, L_part, Out, LSE, batch, rows, h_q: int, num_splits: int):
         merge(O_part, L_part, Out, LSE, bx, by, num_splits, None, h_q)
 
 
-COMBINE_CTAS = 512  # the planned combine's grid: it walks the rows of the split sequences
+# The planned combine (sm_90): a fixed grid of 8-warp CTAs, of which each SM holds three.
+COMBINE_CTAS, COMBINE_WARPS, COMBINE_CTAS_PER_SM = 1024, 8, 3
+LOG_WARPS = 3  # log2 COMBINE_WARPS: the warps sharing a row are 8, 4, 2 or 1
+COMBINE_UNROLL = 2  # pieces whose loads a warp has in flight at once (8 x 16 bytes a lane)
+COMBINE_CHUNKS = 4  # chunks of 32 pieces whose log-sum-exps a warp loads at once
 
 
 @T.macro
-def combine_segments(O_part, L_part, Out, LSE, parts, seqs, batch, rows, slots, h_q: int):
-    """The second kernel of a planned launch: the partials of each sequence in more than one
-    segment merged, row by row over the plan's list of split sequences (parts[:, 3] of them, in
-    seqs[:, 4]), so that a batch with none costs a few idle CTAs, not one per row. Indices are
-    clamped as `segment` clamps them."""
-    with T.Kernel(COMBINE_CTAS, threads=128) as bx:
-        work = T.min(T.max(parts[0, 3], 0), batch) * rows
-        for it in T.serial(T.ceildiv(T.max(work - bx, 0), COMBINE_CTAS)):
-            w = bx + it * COMBINE_CTAS
-            b = T.min(T.max(seqs[w // rows, 4], 0), batch - 1)
-            n = T.min(T.max(seqs[b, 3], 1), slots)
-            merge(O_part, L_part, Out, LSE, b, w % rows, n,
-                  T.min(T.max(seqs[b, 1], 0), slots - n), h_q)
+def combine_segments(O_part, L_part, Out, LSE, parts, seqs, batch, rows, slots, n_parts,
+                     h_q: int):
+    """The second kernel of a planned launch (sm_90): the partials of each sequence in more than
+    one segment merged, over the plan's list of split sequences (parts[:, 3] of them, in
+    seqs[:, 4]), so that a batch with none costs a few idle CTAs. Indices are clamped as
+    `segment` clamps them.
+
+    A row is a warp's: each lane holds 16 of the 512 columns (four 16-byte loads a piece). Where
+    the rows are too few to fill the device (one long sequence in many pieces), g = 2, 4 or 8
+    warps of one CTA share a row, each taking every g-th piece, and sum in shared memory: the
+    row's loads are then spread over g times the warps, and the loads of a warp's pieces are in
+    flight `COMBINE_UNROLL` at a time. The row's log-sum-exp takes one trip: lanes over pieces,
+    an online max and sum each, then warp reductions. Launched as the seesaw's programmatic
+    dependent: its CTAs start as the seesaw's finish and wait for its writes (`pdl_sync`)."""
+    neg_inf = -T.infinity(ACCUM)
+    W, G, C, U = COMBINE_WARPS, D_LATENT // 128, COMBINE_CHUNKS, COMBINE_UNROLL
+    assert 1 << LOG_WARPS == W
+    with T.Kernel(COMBINE_CTAS, threads=32 * W) as bx:
+        T.annotate_min_blocks_per_sm(COMBINE_CTAS_PER_SM)
+        acc_s = T.alloc_shared((W, D_LATENT), ACCUM)
+        o = T.alloc_local((G * 4,), ACCUM)
+        x = T.alloc_local((U * G * 4,), ACCUM)
+        wv = T.alloc_local((U,), ACCUM)
+        lv = T.alloc_local((C,), ACCUM)
+        st = T.alloc_local((4,), ACCUM)  # max, sum (the lane's, then the row's), lse, weight
+        iv = T.alloc_local((7,), "int32")  # rows to merge, log2 g, row index, b, r, n, base
+        tx = T.get_thread_binding()
+        lane = tx % 32
+        warp = tx // 32
+        TL.pdl_sync()
+        iv[0] = T.min(T.max(parts[0, 3], 0), batch) * rows
+        # g: the most warps a row while all rows' warps fit in one CTA an SM (the seesaw's CTA
+        # count, n_parts a row tile, stands for the SMs); more warps a row were slower where the
+        # rows are many and the pieces few (B64 L4096 h_q 16: 3.9 us at 8 warps an SM, 5.2 at
+        # 16, 7.6 at 32).
+        most = n_parts * T.ceildiv(rows, 64) * W
+        iv[1] = T.if_then_else(iv[0] * W <= most, LOG_WARPS, T.if_then_else(
+            iv[0] * 4 <= most, 2, T.if_then_else(iv[0] * 2 <= most, 1, 0)))
+        g = 1 << iv[1]
+        k = warp & (g - 1)
+        # Trips per CTA, whose warps meet at barriers: an idle CTA makes none.
+        for it in T.serial(T.ceildiv(T.max(iv[0] - (bx << (LOG_WARPS - iv[1])), 0),
+                                     COMBINE_CTAS << (LOG_WARPS - iv[1]))):
+            iv[2] = ((it * COMBINE_CTAS + bx) << (LOG_WARPS - iv[1])) + (warp >> iv[1])
+            w = T.min(iv[2], iv[0] - 1)
+            iv[3] = T.min(T.max(seqs[w // rows, 4], 0), batch - 1)
+            iv[4] = w % rows
+            iv[5] = T.min(T.max(seqs[iv[3], 3], 1), slots)
+            iv[6] = T.min(T.max(seqs[iv[3], 1], 0), slots - iv[5])
+            b, r, n, base = iv[3], iv[4], iv[5], iv[6]
+            st[0] = neg_inf
+            st[1] = 0
+            for cg in T.serial(T.ceildiv(n, 32 * C)):
+                for c in T.unroll(C):
+                    s = (cg * C + c) * 32 + lane
+                    lv[c] = T.if_then_else(s < n, L_part[base + T.min(s, n - 1), r], neg_inf)
+                for c in T.unroll(C):
+                    st[3] = softmax_offset(T.max(st[0], lv[c]))  # no key yet: 0, not -inf
+                    st[1] = st[1] * T.exp2(st[0] - st[3]) + T.exp2(lv[c] - st[3])
+                    st[0] = T.max(st[0], lv[c])
+            st[3] = softmax_offset(T.warp_reduce_max(st[0]))
+            st[1] = T.warp_reduce_sum(st[1] * T.exp2(st[0] - st[3]))
+            st[2] = T.log2(st[1]) + st[3]  # -inf when no piece saw a key
+            for j in T.serial(G * 4):
+                o[j] = 0
+            for c in T.serial(T.ceildiv(n, 32)):
+                # Lane l holds piece 32 c + l's weight (0 where no piece saw a key); this warp
+                # takes the pieces equal to k modulo g, U at a time, each index clamped so that
+                # no load is conditional and a piece past the row's adds nothing.
+                st[3] = T.if_then_else((c * 32 + lane < n) & (st[1] != 0), T.exp2(
+                    L_part[base + T.min(c * 32 + lane, n - 1), r] - st[2]), 0)
+                mine = T.max(T.min(n - c * 32, 32) - k + g - 1, 0) >> iv[1]
+                for i0 in T.serial(T.ceildiv(mine, U)):
+                    for v in T.unroll(U):
+                        u = T.min(k + g * (i0 * U + v), 31)
+                        wv[v] = T.shfl_sync(st[3], u)
+                        for grp in T.unroll(G):
+                            for e in T.vectorized(4):
+                                x[(v * G + grp) * 4 + e] = O_part[
+                                    base + T.min(c * 32 + u, n - 1), r, grp * 128 + lane * 4 + e]
+                    for v in T.unroll(U):
+                        for j in T.unroll(G * 4):
+                            o[j] += T.if_then_else(i0 * U + v < mine, wv[v] * x[v * G * 4 + j], 0)
+            if g > 1:
+                for grp in T.unroll(G):
+                    for e in T.vectorized(4):
+                        acc_s[warp, grp * 128 + lane * 4 + e] = o[grp * 4 + e]
+                T.sync_threads()
+                if k == 0:
+                    for j in T.serial(g - 1):
+                        for grp in T.unroll(G):
+                            for e in T.unroll(4):
+                                o[grp * 4 + e] += acc_s[warp + 1 + j, grp * 128 + lane * 4 + e]
+                T.sync_threads()
+            if (k == 0) & (iv[2] < iv[0]):
+                for grp in T.unroll(G):
+                    for e in T.vectorized(4):
+                        Out[b, r, grp * 128 + lane * 4 + e] = T.cast(o[grp * 4 + e], Out.dtype)
+                if lane == 0:
+                    LSE[b, r % h_q, r // h_q] = st[2] * LN2
 
 
 def gpu_program(h_q: int, s_q: int, dtype: str, *, block_H: int, block_N: int, num_stages: int,
@@ -452,6 +544,9 @@ def seesaw_program(h_q: int, s_q: int, dtype: str):
 
             done = T.alloc_local((1,), "int32")  # pairs of the segments before this one
             tx = T.get_thread_binding()
+            # The combine's CTAs may launch (they wait for this grid's writes). Measured 3% slower
+            # than no trigger at B64 L4096 h_q 16, neutral elsewhere (benchmarks/NOTES.md).
+            TL.pdl_trigger()
             r0 = by * H
             count = segments(parts, bz, batch)
             done[0] = 0
@@ -575,7 +670,8 @@ def seesaw_program(h_q: int, s_q: int, dtype: str):
                         load_q(Q, Q_t, q_full, bx, r0, 1)
                         load_q(Q, Q_t, q_full, bx, r0, 2)
                     done[0] += pairs
-        combine_segments(O_part, L_part, Out, LSE, parts, seqs, batch, rows, slots, h_q)
+        combine_segments(O_part, L_part, Out, LSE, parts, seqs, batch, rows, slots, n_parts,
+                         h_q)
 
     return mla_decode
 
