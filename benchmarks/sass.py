@@ -6,8 +6,9 @@ static count of the SASS instructions that decide its speed.
 
 The program is built from the operator's spec (its default configuration, or --config merged
 over it), lowered by TileLang and compiled by the same nvcc call TileLang makes (same flags, fast
-math where the operator asks for it), then disassembled with `cuobjdump` (CUDA's
-nvidia-cuda-cuobjdump package: on PATH or given by $CUOBJDUMP). Counts are static: an
+math where the operator asks for it), then disassembled with `cuobjdump`, which runs `nvdisasm` (pip's
+nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm packages, found in their wheel's bin/ when not on
+PATH; or $CUOBJDUMP). Counts are static: an
 instruction in a loop body counts once. They answer questions like "does the main loop issue
 HGMMA or HMMA?", "how many barriers per K step?", "does it spill?".
 """
@@ -78,21 +79,36 @@ def compile_cubin(source: str, target: Target, fast_math: bool) -> bytes:
                                                 pass_configs(target, fast_math)))
 
 
+def cuda_tool(name: str) -> str | None:
+    """A CUDA binary tool on PATH, else in the bin/ of NVIDIA's pip wheels (nvidia/cu*/bin)."""
+    import importlib.util
+
+    if found := shutil.which(name):
+        return found
+    spec = importlib.util.find_spec("nvidia")
+    roots = (spec.submodule_search_locations or []) if spec else []
+    wheels = [p for root in roots for p in sorted(Path(root).glob(f"*/bin/{name}"))]
+    return str(wheels[-1]) if wheels else None
+
+
 def cuobjdump() -> str:
-    tool = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump")
+    tool = os.environ.get("CUOBJDUMP") or cuda_tool("cuobjdump")
     if not tool:
-        sys.exit("cuobjdump not found: pip install nvidia-cuda-cuobjdump and put its bin/ on "
-                 "PATH, or set $CUOBJDUMP")
+        sys.exit("cuobjdump not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm, "
+                 "or set $CUOBJDUMP")
     return tool
 
 
 def disassemble(cubin: bytes) -> tuple[str, str]:
     """(SASS text, resource usage text) of a cubin."""
+    env = dict(os.environ)
+    if nvdisasm := cuda_tool("nvdisasm"):  # cuobjdump -sass runs it from PATH
+        env["PATH"] = os.pathsep.join([os.path.dirname(nvdisasm), env.get("PATH", "")])
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         run = lambda *a: subprocess.run([cuobjdump(), *a, f.name], check=True,  # noqa: E731
-                                        capture_output=True, text=True).stdout
+                                        capture_output=True, text=True, env=env).stdout
         return run("-sass"), run("-res-usage")
 
 

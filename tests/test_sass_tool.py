@@ -40,6 +40,17 @@ def test_summary_counts_instructions_by_family():
     assert dict(kernel["families"]) == {"HGMMA": 1, "STL": 1, "WARPGROUP": 1}
 
 
+def test_a_cuda_tool_is_found_in_a_pip_wheels_bin(tmp_path, monkeypatch):
+    # NVIDIA's wheels (nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm) install into the `nvidia`
+    # namespace package's cu*/bin/, which is not on PATH.
+    tool = tmp_path / "nvidia" / "cu99" / "bin" / "tileops-test-tool"
+    tool.parent.mkdir(parents=True)
+    tool.write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert sass_tool.cuda_tool("tileops-test-tool") == str(tool)
+    assert sass_tool.cuda_tool("tileops-no-such-tool") is None
+
+
 @pytest.mark.skipif(not (shutil.which("cuobjdump") and shutil.which("nvcc")),
                     reason="needs nvcc and cuobjdump")
 def test_sass_of_the_default_gemm_has_hopper_mma():
