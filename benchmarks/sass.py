@@ -6,10 +6,10 @@ static count of the SASS instructions that decide its speed.
 
 The program is built from the operator's spec (its default configuration, or --config merged
 over it), lowered by TileLang and compiled by the same nvcc call TileLang makes (same flags, fast
-math where the operator asks for it), then disassembled with `cuobjdump`, which runs `nvdisasm` (pip's
-nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm packages, found in their wheel's bin/ when not on
-PATH; or $CUOBJDUMP). Counts are static: an
-instruction in a loop body counts once. They answer questions like "does the main loop issue
+math where the operator asks for it), then disassembled with `cuobjdump`, which runs
+`nvdisasm` (pip's nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm packages, found in their
+wheels' bin/ when not on PATH; or $CUOBJDUMP). Counts are static: an instruction in a loop body
+counts once. They answer questions like "does the main loop issue
 HGMMA or HMMA?", "how many barriers per K step?", "does it spill?".
 """
 

@@ -164,8 +164,9 @@ def test_seesaw_schedule_cuda(h_q, s_q, n_parts):
     check(*out, reference(q, kv, table, seqlens))
 
 
-@pytest.mark.parametrize(("lens", "n_parts"), [((32768, 100), 300), ((8192,) * 40, 132)])
-def test_the_combine_over_many_pieces_and_many_rows_cuda(lens, n_parts):
+@pytest.mark.parametrize(("lens", "n_parts", "pieces"),
+                         [((32768, 100), 300, 256), ((8192,) * 40, 132, 4)])
+def test_the_combine_over_many_pieces_and_many_rows_cuda(lens, n_parts, pieces):
     # The combine's two regimes: one sequence in 256 pieces (8 warps a row, more pieces than its
     # log-sum-exp pass loads at once) and 40 sequences of 4 pieces each (a warp a row).
     target = target_of(CUDA)
@@ -175,7 +176,7 @@ def test_the_combine_over_many_pieces_and_many_rows_cuda(lens, n_parts):
     seqlens = torch.tensor(lens, dtype=torch.int32, device=CUDA)
     call = MLA_DECODE.prepare(q, kv, table, seqlens)
     args = planned(call, n_parts)
-    assert int(args.plan.seqs[:, 3].max()) == (256 if n_parts == 300 else 4)
+    assert int(args.plan.seqs[:, 3].max()) == pieces
     out = (torch.full((len(lens), 1, 16, 512), float("nan"), device=CUDA, dtype=torch.bfloat16),
            torch.full((len(lens), 16, 1), float("nan"), device=CUDA))
     MLA_DECODE.launch(kernel, args, out=out)

@@ -180,6 +180,15 @@ COMBINE_UNROLL = 2  # pieces whose loads a warp has in flight at once (8 x 16 by
 COMBINE_CHUNKS = 4  # chunks of 32 pieces whose log-sum-exps a warp loads at once
 
 
+def _row_sharing(rows, most):
+    """log2 of the warps that share a row: the most (COMBINE_WARPS at most) for which the `rows`
+    rows take no more than `most` warps."""
+    lg = 0
+    for j in range(1, LOG_WARPS + 1):
+        lg = T.if_then_else(rows * (1 << j) <= most, j, lg)
+    return lg
+
+
 @T.macro
 def combine_segments(O_part, L_part, Out, LSE, parts, seqs, batch, rows, slots, n_parts,
                      h_q: int):
@@ -217,8 +226,7 @@ def combine_segments(O_part, L_part, Out, LSE, parts, seqs, batch, rows, slots, 
         # rows are many and the pieces few (B64 L4096 h_q 16: 3.9 us at 8 warps an SM, 5.2 at
         # 16, 7.6 at 32).
         most = n_parts * T.ceildiv(rows, 64) * W
-        iv[1] = T.if_then_else(iv[0] * W <= most, LOG_WARPS, T.if_then_else(
-            iv[0] * 4 <= most, 2, T.if_then_else(iv[0] * 2 <= most, 1, 0)))
+        iv[1] = _row_sharing(iv[0], most)
         g = 1 << iv[1]
         k = warp & (g - 1)
         # Trips per CTA, whose warps meet at barriers: an idle CTA makes none.
