@@ -552,9 +552,6 @@ def seesaw_program(h_q: int, s_q: int, dtype: str):
 
             done = T.alloc_local((1,), "int32")  # pairs of the segments before this one
             tx = T.get_thread_binding()
-            # The combine's CTAs may launch (they wait for this grid's writes). Measured 3% slower
-            # than no trigger at B64 L4096 h_q 16, neutral elsewhere (benchmarks/NOTES.md).
-            TL.pdl_trigger()
             r0 = by * H
             count = segments(parts, bz, batch)
             done[0] = 0
