@@ -158,6 +158,24 @@ def test_timings_that_contradict_each_other_are_never_recorded():
     assert decision is not None and decision.chosen == "baseline" and session.calls == 2
 
 
+def test_a_baseline_that_contradicts_itself_does_not_block_a_tile_faster_than_all_of_it():
+    # The H200 reproducer (MLA B1 L4096 h_q 128 against its torch reference, many small ops):
+    # the baseline's figures varied 116-667 us on an idle host, the tile's 20.5-20.7 us.
+    base = [116.0, 174.2, 153.1, 170.4, 666.8, 612.8]
+    tiles = [20.6, 20.5, 20.7, 20.6, 20.6]
+    session = RetimeSession((tiles, base))
+    decision, _ = winners.retime_top(session, task(), ledger_of(20.6), 1, 5, 0, 288.3)
+    assert decision is not None and decision.chosen == "tile" and session.calls == 1
+    assert decision.baseline_us == 116.0  # the baseline's fastest figure, a lower bound
+    assert decision.band == winners.NOISE_FLOOR  # the baseline's spread stays out of the band
+    # Within reach of the tile, a contradicting baseline still blocks the record.
+    session = RetimeSession((tiles, [21.0, 90.0, 20.0, 80.0, 22.0]))
+    assert winners.retime_top(session, task(), ledger_of(20.6), 1, 5, 0, 21.0)[0] is None
+    # So do a tile's own contradicting timings.
+    session = RetimeSession(([20.6, 20.5, 90.0, 20.6, 20.6], base))
+    assert winners.retime_top(session, task(), ledger_of(20.6), 1, 5, 0, 288.3)[0] is None
+
+
 def test_a_round_that_slows_every_launch_does_not_widen_the_noise_band():
     # Re-timing rounds measured on the H200 (8 x 4096, 32 heads, head_dim 128): the third round
     # slowed every launch by 5-12%. The kernels 9% faster than the lexicographically first one
