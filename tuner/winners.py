@@ -129,10 +129,11 @@ def retime_top(session: Session, task: Task, ledger: Ledger, top: int, rounds: i
         timings = {canonical(c): [t.value, *_figures(m)]
                    for c, t, m in zip(configs, trials, results, strict=False)}
         base = [v for v in (baseline_us, *_figures(results[-1])) if v and v > 0]
-        why = contradiction(timings) or contradiction({"the baseline": base}) or ""
+        tiles_why = contradiction(timings)
+        why = tiles_why or contradiction({"the baseline": base}) or ""
         if not why:
             break
-        if not contradiction(timings) and _tile_beats_all(results[:-1], base):
+        if not tiles_why and _tile_beats_all(results[:-1], base):
             log.warning("%s: the baseline's timings contradict each other (%s), but the tile "
                         "beats every one of them", task.label, why)
             base_floor = min(base)
