@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -48,6 +49,62 @@ def test_swapped_mma_tiles_refused_where_no_warp_layout_covers_them(block_N, thr
     assert (GEMM.check_config(problem, config, A100) is None) == lowers
     if lowers:
         assert "mma" in lower(GEMM.build(problem, config, A100), A100).kernel_source
+
+
+@pytest.mark.parametrize(("shape", "knobs", "wgmma", "tma_store"), [
+    ((4096, 4096, 4096), {"full_row": 1}, "64, 256, 16", False),  # one wgmma spans block_N
+    ((4096, 4096, 4096), {"staged_store": 1}, "64, 128, 16", True),
+    ((4096, 4097, 4095), {"staged_store": 1, "full_row": 1}, "64, 256, 16", False),  # odd rows
+    ((256, 4096, 4096), {"staged_store": 1, "split_k": 4, "block_M": 64, "block_N": 128,
+                         "threads": 128, "num_stages": 4}, "64, 128, 16", True),  # fp32 partials
+])
+def test_gemm_prefill_knobs_lower(shape, knobs, wgmma, tma_store):
+    problem = GEMM.Problem(*shape, "bfloat16", "nk", "bfloat16")
+    config = dict(GEMM.default_config(problem, H200), **knobs)
+    assert GEMM.check_config(problem, config, H200) is None
+    src = lower(GEMM.build(problem, config, H200), H200).kernel_source
+    assert set(re.findall(r"kFloat32, (\d+, \d+, \d+)", src)) == {wgmma}
+    assert ("tma_store(" in src) == tma_store  # TMA needs rows of a multiple of 16 bytes
+    # The staged tile reuses the stage buffers: it starts where they do.
+    offsets = dict(re.findall(r"(\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)", src))
+    assert offsets.get("C_s", "0") == "0" and len(offsets) == 2 + ("C_s" in offsets)
+    assert ("C_s" in offsets) == bool(knobs.get("staged_store"))
+
+
+def test_gemm_prefill_knobs_refused_where_they_change_nothing():
+    problem = GEMM.Problem(16, 4096, 4096, "bfloat16", "nk", "bfloat16")
+    swapped = GEMM.default_config(problem, H200)
+    assert "swapped" in GEMM.check_config(problem, dict(swapped, staged_store=1), H200)
+    assert "swapped" in GEMM.check_config(problem, dict(swapped, full_row=1), H200)
+    one_group = dict(swapped, swap_ab=0, block_M=64, threads=128, full_row=1)
+    assert "one warpgroup" in GEMM.check_config(problem, one_group, H200)
+
+
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_gemm_stream_k_lowers(layout):
+    problem = GEMM.Problem(256, 10240, 8192, "bfloat16", layout, "bfloat16")
+    config = dict(GEMM.default_config(problem, H200), block_M=128, block_N=256, threads=256,
+                  num_stages=4, full_row=1, stream_k=1)
+    assert GEMM.check_config(problem, config, H200) is None
+    src = lower(GEMM.build(problem, config, H200), H200).kernel_source
+    assert set(re.findall(r"kFloat32, (\d+, \d+, \d+)", src)) == {"64, 256, 16"}
+    assert "wait_wgmma<1>" in src  # one K step's product in flight
+    # the partials' hand-over: the flags, raised and awaited
+    assert "int* __restrict__ flags" in src and "float* __restrict__ partials" in src
+    assert "tileops_flag_raise(" in src and "tileops_flag_wait(" in src
+
+
+@pytest.mark.parametrize(("shape", "layout", "refused"), [
+    ((256, 4096, 4095), "nk", "16 bytes"),  # A's rows unaligned for TMA
+    ((256, 4095, 4096), "kn", "16 bytes"),  # B's rows
+    ((256, 4095, 4096), "nk", None),  # N is free with w.t()
+])
+def test_gemm_stream_k_needs_rows_tma_can_load(shape, layout, refused):
+    problem = GEMM.Problem(*shape, "bfloat16", layout, "bfloat16")
+    config = dict(GEMM.default_config(problem, H200), stream_k=1)
+    reason = GEMM.check_config(problem, config, H200)
+    assert (reason is None) if refused is None else (refused in reason)
+    assert "sm_90a" in GEMM.check_config(problem, config, A100)
 
 
 def test_gemm_odd_sizes_lower():

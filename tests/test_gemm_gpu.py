@@ -45,22 +45,61 @@ def test_every_element_written_cuda(layout):
         assert rel_error(c, GEMM.reference((a, b))) < 1e-2
 
 
+def _writes_every_element(config: dict, layout: str, shapes: list, bucket, calls: int = 1):
+    """The kernel of `config` for each (M, N, K) of `shapes` (its problem's M `bucket(M)`) fills
+    a NaN-poisoned output with the product, at each of `calls` calls."""
+    target = target_of(torch.device("cuda"))
+    for M, N, K in shapes:
+        problem = GEMM.Problem(bucket(M), N, K, "bfloat16", layout, "bfloat16")
+        assert GEMM.check_config(problem, config, target) is None
+        kernel = dispatch.compile_kernel(GEMM, problem, config, target)
+        a, b, _ = GEMM.make_inputs(problem, torch.device("cuda"), seed=M, sizes={"M": M})
+        for _ in range(calls):
+            c = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+            kernel(a, b.t() if layout == "nk" else b, c)
+            assert not torch.isnan(c).any()
+            assert rel_error(c, GEMM.reference((a, b))) < 1e-2
+
+
 @pytest.mark.parametrize("layout", ["nk", "kn"])
 @pytest.mark.parametrize(("block_M", "swap_ab", "split_k"),
                          [(16, 1, 1), (32, 1, 4), (64, 0, 2), (64, 1, 8)])
 def test_decode_variants_cuda(layout, block_M, swap_ab, split_k):
     """Swapped tiles and split-K at odd M and N, every element written."""
-    target = target_of(torch.device("cuda"))
     config = {"block_M": block_M, "block_N": 64, "block_K": 128, "num_stages": 4, "threads": 128,
               "swizzle": 0, "swap_ab": swap_ab, "split_k": split_k}
-    for M, N, K in [(1, 333, 4096), (13, 4097, 2048), (block_M, 256, 1024 * split_k)]:
-        problem = GEMM.Problem(64, N, K, "bfloat16", layout, "bfloat16")
-        kernel = dispatch.compile_kernel(GEMM, problem, config, target)
-        a, b, _ = GEMM.make_inputs(problem, torch.device("cuda"), seed=M, sizes={"M": M})
-        c = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
-        kernel(a, b.t() if layout == "nk" else b, c)
-        assert not torch.isnan(c).any()
-        assert rel_error(c, GEMM.reference((a, b))) < 1e-2
+    _writes_every_element(config, layout,
+                          [(1, 333, 4096), (13, 4097, 2048), (block_M, 256, 1024 * split_k)],
+                          lambda M: 64)
+
+
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+@pytest.mark.parametrize(("full_row", "staged_store", "split_k"),
+                         [(1, 0, 1), (0, 1, 1), (1, 1, 1), (0, 1, 2)])
+def test_prefill_knobs_cuda(layout, full_row, staged_store, split_k):
+    """Whole-row warpgroups and the staged store at odd sizes (rows TMA cannot store among
+    them), every element written."""
+    config = {"block_M": 128, "block_N": 256, "block_K": 64, "num_stages": 3, "threads": 256,
+              "swizzle": 8, "swap_ab": 0, "split_k": split_k, "full_row": full_row,
+              "staged_store": staged_store}
+    _writes_every_element(config, layout, [(257, 4097, 4095), (1000, 512, 1024), (129, 384, 256)],
+                          lambda M: 256 if split_k > 1 else 1024)
+
+
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+@pytest.mark.parametrize("full_row", [0, 1])
+def test_stream_k_cuda(layout, full_row):
+    """The stream-K program where tiles are cut between CTAs in every way (one iteration per
+    CTA, a tile over many CTAs, data-parallel rounds then streamed waves), every element
+    written, twice (its flags start at zero at every call). A lost flag would hang: run it
+    under a timeout."""
+    config = {"block_M": 128, "block_N": 256, "block_K": 64, "num_stages": 4, "threads": 256,
+              "swizzle": 8, "swap_ab": 0, "split_k": 1, "full_row": full_row,
+              "staged_store": 0, "stream_k": 1}
+    _writes_every_element(config, layout,
+                          [(1, 256, 64), (5, 1000, 512), (257, 4104, 4096), (256, 10240, 8192),
+                           (1000, 512, 1024), (2900, 6144, 512)],
+                          lambda M: max(128, 1 << (M - 1).bit_length()), calls=2)
 
 
 def test_dynamic_m_does_not_recompile_cuda():

@@ -138,7 +138,7 @@ def gemm_on_the_stand_in(kernel, monkeypatch):
     """tileops.gemm on the CPU with the stand-in as its compiled kernel (with one scratch buffer
     of M elements, as split-K's partials are), and a count of `prepare` calls."""
     monkeypatch.setattr(dispatch.Dispatcher, "_compile_choice",
-                        lambda self, *args: WorkspaceAdapter(kernel, [((None,), torch.float32)]))
+                        lambda self, *args: WorkspaceAdapter(kernel, [((None,), torch.float32, False)]))
     prepared = []
     real = GEMM.prepare
 
@@ -167,13 +167,29 @@ def test_gemm_recipe_is_its_launch(layout):
     a, w = torch.randn(5, 32), torch.randn(48, 32)
     b = w.t() if layout == "nk" else w.t().contiguous()
     args = (a, b, torch.float16)
-    kernel = WorkspaceAdapter(object(), [((None, 4), torch.float32)])
+    kernel = WorkspaceAdapter(object(), [((None, 4), torch.float32, False)])
     fn, recipe = GEMM.warm_recipe(args, GEMM.prepare(*args), kernel)
     assert fn is kernel.kernel
     assert recipe.args == ((INPUT, 0), (INPUT_SWAPPED if layout == "nk" else INPUT, 1),
                            (OUTPUT, 0), (SCRATCH, 1))
     assert recipe.buffers == (Buffer((5, 48), torch.float16),
                               Buffer((5, 4), torch.float32, returned=False))
+
+
+def test_zeroed_workspaces_start_at_zero_and_keep_the_python_path():
+    """Stream-K's flags must read zero at every launch: the adapter zeroes them (and leaves
+    the others uninitialised), and the native path, which does not initialise, is refused."""
+    seen = []
+    kernel = WorkspaceAdapter(lambda *args: seen.append(args),
+                              [((None, 4), torch.float32, False), ((8,), torch.int32, True)])
+    for _ in range(2):
+        kernel(torch.randn(5, 32))
+        _, partials, flags = seen[-1]
+        assert partials.shape == (5, 4) and torch.equal(flags, torch.zeros(8, dtype=torch.int32))
+        flags.fill_(1)  # what a launch leaves behind
+    a, w = torch.randn(5, 32), torch.randn(48, 32)
+    args = (a, w.t(), torch.float32)
+    assert GEMM.warm_recipe(args, GEMM.prepare(*args), kernel) is None
 
 
 def test_calls_prepare_copies_for_stay_on_the_python_path(gemm_on_the_stand_in):
@@ -246,7 +262,7 @@ def test_mxfp4_recipe_is_its_launch():
     a = torch.randn(5, 64).bfloat16()
     w = torch.randint(0, 256, (48, 32), dtype=torch.uint8)
     s = torch.full((48, 2), 127, dtype=torch.uint8)
-    kernel = WorkspaceAdapter(object(), [((None, 48), torch.float32)])
+    kernel = WorkspaceAdapter(object(), [((None, 48), torch.float32, False)])
     fn, recipe = MXFP4_GEMM.warm_recipe((a, w, s), MXFP4_GEMM.prepare(a, w, s), kernel)
     assert fn is kernel.kernel
     assert recipe.args == ((INPUT, 0), (INPUT_WORDS, 1), (INPUT, 2), (OUTPUT, 0), (SCRATCH, 1))

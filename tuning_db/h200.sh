@@ -42,15 +42,18 @@ slice() {  # sets ms, space, sampler, trials, extra for OP SLICE
     gemm:decode)  # the weight takes the wgmma M side (swap_ab); split-K for more CTAs
       ms="1 16"; space='{"block_M": [16], "block_N": [64, 128], "block_K": [128, 256],
         "num_stages": [3, 4], "threads": [128], "swizzle": [0], "split_k": [1, 2, 4],
-        "swap_ab": [1]}' ;;
+        "swap_ab": [1], "full_row": [0], "staged_store": [0], "stream_k": [0]}' ;;
     gemm:m64)
       ms="64"; space='{"block_M": [64], "block_N": [64, 128], "block_K": [128],
         "num_stages": [3, 4], "threads": [128], "swizzle": [0], "split_k": [1, 2, 4],
-        "swap_ab": [1]}' ;;
-    gemm:prefill)  # 64-256-row tiles, two consumer warpgroups for the larger ones, rasterised
-      ms="256 1024 4096 8192"; space='{"block_M": [64, 128, 256], "block_N": [128, 256],
+        "swap_ab": [1], "full_row": [0], "staged_store": [0], "stream_k": [0]}' ;;
+    gemm:prefill)  # 64- and 128-row tiles (256 never won), one or two consumer warpgroups,
+      # rasterised; whole rows per warpgroup or not, the tile stored through shared memory or
+      # not, and the stream-K program (42 points a problem)
+      ms="256 1024 4096 8192"; space='{"block_M": [64, 128], "block_N": [128, 256],
         "block_K": [64], "num_stages": [3, 4], "threads": [128, 256], "swizzle": [8],
-        "split_k": [1], "swap_ab": [0]}' ;;
+        "split_k": [1], "swap_ab": [0], "full_row": [0, 1], "staged_store": [0, 1],
+        "stream_k": [0, 1]}' ;;
     mxfp4_gemm:decode)  # decoded in shared memory or in registers; 512-wide K steps for TMA scales
       ms="1 16 64"; dtype=bfloat16; space='{"block_M": [16], "block_N": [64, 128],
         "block_K": [256, 512], "num_stages": [2, 3], "threads": [128], "dequant": ["bits", "reg"],

@@ -47,15 +47,20 @@ __device__ __forceinline__ float tileops_cluster_load(const float* p, int rank) 
 
 def matmul(M, N: int, K: int, dtype: str, trans_b: bool, *, block_M: int, block_N: int,
            block_K: int, num_stages: int, threads: int, swizzle: int, split_k: int = 1,
-           swap_ab: int = 0, k_pack: int = 1):
+           swap_ab: int = 0, k_pack: int = 1, full_row: int = 0, staged_store: int = 0):
     """The T.macro (A, B, C, partials): C (or, with split_k > 1, the workspace `partials`) =
     A (M, K) @ B, with B (N, K) when `trans_b` else (K, N); M is the program's dynamic size.
 
     One CTA per (block_M, block_N) output tile and K slice; A and B tiles are pipelined into
     shared memory over `num_stages` buffers (TMA and a producer warpgroup on sm_90a).
-    `k_pack` packs K for AMD's MFMA (ignored elsewhere).
+    `k_pack` packs K for AMD's MFMA (ignored elsewhere). `full_row` gives each warp (group)
+    whole rows of the tile: on sm_90a one wgmma spans block_N, so A is read from shared memory
+    once per K step of 16 instead of once per 128 columns. `staged_store` writes the unswapped
+    tile through shared memory (the stage buffers, free by then) with TMA stores: full 32-byte
+    sectors, where a fragment's own stores fill half of each.
     """
     annotations = {"k_pack": k_pack} if k_pack != 1 else None
+    policy = T.GemmWarpPolicy.FullRow if full_row else T.GemmWarpPolicy.Square
     b_tile = (block_N, block_K) if trans_b else (block_K, block_N)
     k_steps = -(-K // block_K) // split_k  # check_config: split_k divides the K steps
     partial = split_k > 1
@@ -77,8 +82,9 @@ def matmul(M, N: int, K: int, dtype: str, trans_b: bool, *, block_M: int, block_
                     T.copy(B[bx * block_N, ko * block_K], B_s)
                 else:
                     T.copy(B[ko * block_K, bx * block_N], B_s)
-                mma(A_s, B_s, C_f, swap_ab, trans_b, annotations)
-            store(C_f, C, partials, by * block_M, bx * block_N, bz, swap_ab, partial)
+                mma(A_s, B_s, C_f, swap_ab, trans_b, annotations, policy)
+            store(C_f, C, partials, by * block_M, bx * block_N, bz, swap_ab, partial,
+                  staged_store)
 
     return tiles
 
@@ -89,13 +95,14 @@ def accumulator(block_M: int, block_N: int, swap_ab: int):
 
 
 @T.macro
-def mma(A_s, B_s, C_f, swap_ab, trans_b, annotations):
-    """C_f += A_s @ B_s (B_s is (block_N, block_K) when `trans_b`), swapped when `swap_ab`."""
+def mma(A_s, B_s, C_f, swap_ab, trans_b, annotations, policy=T.GemmWarpPolicy.Square):
+    """C_f += A_s @ B_s (B_s is (block_N, block_K) when `trans_b`), swapped when `swap_ab`;
+    `policy` splits the unswapped tile among the warps."""
     if swap_ab:
         T.gemm(B_s, A_s, C_f, transpose_A=not trans_b, transpose_B=True,
                annotations=annotations)
     else:
-        T.gemm(A_s, B_s, C_f, transpose_B=trans_b, annotations=annotations)
+        T.gemm(A_s, B_s, C_f, transpose_B=trans_b, policy=policy, annotations=annotations)
 
 
 @T.macro
@@ -107,16 +114,21 @@ def transpose(C_f, C_s, n0):
 
 
 @T.macro
-def store(C_f, C, partials, m0, n0, split, swap_ab, partial):
+def store(C_f, C, partials, m0, n0, split, swap_ab, partial, staged=0):
     """Write the accumulator of the output tile at (m0, n0): into C, or into the split's slice of
     the workspace when `partial` (split-K). Rows past M and columns past N are dropped.
 
     A swapped accumulator is transposed through shared memory: written straight from the
     fragment, each thread's elements would land a row of C apart, one 32-byte sector per element.
+    An unswapped one goes through shared memory too when `staged`.
     """
     if swap_ab:
         C_s = T.alloc_shared((C_f.shape[1], C_f.shape[0]), ACCUM if partial else C.dtype)
         transpose(C_f, C_s, 0)
+        write_tile(C_s, C, partials, m0, n0, split, partial)
+    elif staged:
+        C_s = T.alloc_shared(C_f.shape, ACCUM if partial else C.dtype)
+        T.copy(C_f, C_s)
         write_tile(C_s, C, partials, m0, n0, split, partial)
     else:
         write_tile(C_f, C, partials, m0, n0, split, partial)

@@ -105,35 +105,43 @@ def decode_split_k(N: int, K: int, block_N: int, block_K: int, units: int,
     return next((s for s in splits if tiles * s >= 2 * units), splits[-1])
 
 
-# Program parameters that are scratch space, allocated by `WorkspaceAdapter` at each call.
-WORKSPACES = ("partials", "dequantized")
+# Program parameters that are scratch space, allocated by `WorkspaceAdapter` at each call;
+# those in ZEROED start at zero (stream-K's flags), the others uninitialised.
+WORKSPACES = ("partials", "dequantized", "flags")
+ZEROED = ("flags",)
+
+Workspace = tuple[tuple[int | None, ...], torch.dtype, bool]  # shape (None: M), dtype, zeroed
 
 
 class WorkspaceAdapter:
     """Calls a program whose trailing parameters are workspaces (`WORKSPACES`), allocating them
-    (uninitialised) at each call. A workspace dimension that is not a constant is M, the dynamic
-    size of these programs: the rows of the first argument."""
+    at each call. A workspace dimension that is not a constant is M, the dynamic size of these
+    programs: the rows of the first argument."""
 
-    def __init__(self, kernel: Any, shapes: list[tuple[tuple[int | None, ...], torch.dtype]]):
+    def __init__(self, kernel: Any, shapes: list[Workspace]):
         self.kernel, self.shapes = kernel, shapes
 
     def __call__(self, *args: torch.Tensor) -> None:
         a = args[0]
         rows = a.shape[0]
-        self.kernel(*args, *(torch.empty(*[rows if d is None else d for d in shape], dtype=dtype,
-                                         device=a.device) for shape, dtype in self.shapes))
+        self.kernel(*args, *((torch.zeros if zeroed else torch.empty)(
+            *[rows if d is None else d for d in shape], dtype=dtype, device=a.device)
+            for shape, dtype, zeroed in self.shapes))
 
 
-def warm_kernel(kernel: Any, rows: int) -> tuple[Any, list]:
+def warm_kernel(kernel: Any, rows: int) -> tuple[Any, list] | None:
     """A kernel as `launch` gets it, for the native warm path: the tvm-ffi function, and the
     scratch buffers (`native.Buffer`, not returned) a `WorkspaceAdapter` adds after the launch's
-    own arguments, their dynamic dimension `rows`."""
+    own arguments, their dynamic dimension `rows`. None where a workspace must start at zero:
+    the native path allocates without initialising."""
     from .. import native
 
     if not isinstance(kernel, WorkspaceAdapter):
         return kernel, []
+    if any(zeroed for _, _, zeroed in kernel.shapes):
+        return None
     return kernel.kernel, [native.Buffer(tuple(rows if d is None else d for d in shape), dtype,
-                                         returned=False) for shape, dtype in kernel.shapes]
+                                         returned=False) for shape, dtype, _ in kernel.shapes]
 
 
 def executable(kernel: Any) -> Any:
@@ -167,6 +175,6 @@ def gpu_adapter(kernel: Any) -> Any:
         if buf is not None and buf.name in WORKSPACES:
             # a constant (IntImm, with a `value`) or the dynamic M (a Var)
             dims = tuple(int(d) if hasattr(d, "value") else None for d in buf.shape)
-            shapes.append((dims, DTYPES[str(buf.dtype)]))
+            shapes.append((dims, getattr(torch, str(buf.dtype)), buf.name in ZEROED))
     run = executable(kernel)
     return WorkspaceAdapter(run, shapes) if shapes else run

@@ -14,13 +14,18 @@ import tilelang.language as T
 from .. import gpu_tiles
 from ..common import ACCUM, bits
 from ..cpu_tiles import accumulate, stage, store, zero
+from . import stream_k as _stream_k
 
 
 def gpu_program(N: int, K: int, dtype: str, out_dtype: str, trans_b: bool, *, split_k: int = 1,
-                **config):
+                stream_k: int = 0, units: int = 132, **config):
     """The GPU tile program (wgmma on sm_90a, mma on older CUDA, MFMA/WMMA on HIP): the tile loop
     of `gpu_tiles.matmul`. With `split_k` > 1 the program takes a fourth argument, its fp32
-    workspace (split_k, M, N), and sums it in a second kernel."""
+    workspace (split_k, M, N), and sums it in a second kernel. `stream_k` is the persistent
+    program of `stream_k.py` on `units` CTAs (sm_90a), with its two workspaces."""
+    if stream_k:
+        config.pop("staged_store", None)  # check_config: the stream-K tile stores from registers
+        return _stream_k.program(N, K, dtype, out_dtype, trans_b, ctas=units, **config)
     M = T.dynamic("m")
     b_shape = (N, K) if trans_b else (K, N)
     tiles = gpu_tiles.matmul(M, N, K, dtype, trans_b, split_k=split_k, **config)

@@ -59,12 +59,15 @@ def _cuda_default(problem: GemmProblem, target: Target, space: Space) -> Config:
         # is within 1.2% of each problem's best on geometric mean; no split-K won there, and
         # at M = 64 it won once in seven.
         return {"block_M": max(M, 16), "block_N": 64, "block_K": 256 if M <= 16 else 128,
-                "num_stages": 4, "threads": 128, "swizzle": 0, "swap_ab": 1, "split_k": 1}
+                "num_stages": 4, "threads": 128, "swizzle": 0, "swap_ab": 1, "split_k": 1,
+                "full_row": 0, "staged_store": 0, "stream_k": 0}
     if M <= 256:
         return {"block_M": 64, "block_N": 128, "block_K": 64, "num_stages": 4,
-                "threads": 128, "swizzle": 0, "split_k": 1, "swap_ab": 0}
+                "threads": 128, "swizzle": 0, "split_k": 1, "swap_ab": 0, "full_row": 0,
+                "staged_store": 0, "stream_k": 0}
     return {"block_M": 128, "block_N": 256, "block_K": 64, "num_stages": 3, "threads": 256,
-            "swizzle": 8, "split_k": 1, "swap_ab": 0}
+            "swizzle": 8, "split_k": 1, "swap_ab": 0, "full_row": 0, "staged_store": 0,
+            "stream_k": 0}
 
 
 def _check_gpu(problem: GemmProblem, config: Config, target: Target) -> str | None:
@@ -73,6 +76,20 @@ def _check_gpu(problem: GemmProblem, config: Config, target: Target) -> str | No
     threads, stages = config["threads"], config["num_stages"]
     esize = _SIZES[problem.dtype]
     smem = stages * (bm * bk + bk * bn) * esize
+    if config.get("staged_store"):
+        if config.get("swap_ab"):
+            return "staged_store is the unswapped tile's (a swapped one is always staged)"
+        # The tile reuses the stage buffers, which are free once the loop has ended.
+        csize = 4 if config.get("split_k", 1) > 1 else _SIZES[problem.out_dtype]
+        smem = max(smem, bm * bn * csize)
+    if config.get("full_row") and config.get("swap_ab"):
+        return "full_row is the unswapped tile's (a swapped one spans block_N in each warp)"
+    if config.get("full_row") and target.is_hopper and threads == 128:
+        return "full_row with one warpgroup is the default split (it holds every row)"
+    if config.get("stream_k"):
+        reason = _check_stream_k(problem, config, target)
+        if reason:
+            return reason
     limit = smem_limit(target.arch)
     if smem > limit:
         return f"shared memory {smem // 1024} KiB > {limit // 1024} KiB"
@@ -89,9 +106,23 @@ def _check_gpu(problem: GemmProblem, config: Config, target: Target) -> str | No
     return None
 
 
+def _check_stream_k(problem: GemmProblem, config: Config, target: Target) -> str | None:
+    """Why the stream-K program (`stream_k.py`) cannot run this configuration."""
+    if not target.arch.startswith("sm_90"):
+        return "stream_k is written for sm_90a (wgmma, TMA)"
+    if config.get("split_k", 1) > 1 or config.get("swap_ab") or config.get("staged_store"):
+        return "stream_k splits K itself, unswapped, and stores its tiles from registers"
+    # Its operands come by TMA alone: rows must start on 16-byte boundaries.
+    inner = (problem.K, problem.K if problem.layout == "nk" else problem.N)
+    if any(n * _SIZES[problem.dtype] % 16 for n in inner):
+        return "stream_k loads by TMA alone: rows of A and B must be multiples of 16 bytes"
+    return None
+
+
 # The kernels of each target kind. The hip and metal defaults are constant: configs/gemm.toml
 # holds them beside their spaces.
-_GPU = Backend(kernels.gpu_program, gpu_adapter, check=_check_gpu)
+_GPU = Backend(kernels.gpu_program, gpu_adapter, check=_check_gpu,
+               derived=lambda problem, config, target: {"units": target.units})
 BACKENDS = {"cpu": Backend(kernels.cpu_program, BitsAdapter, default=_cpu_default),
             "cuda": replace(_GPU, default=_cuda_default), "hip": _GPU, "metal": _GPU}
 
@@ -200,7 +231,10 @@ class GemmSpec(OpSpec):
         a2, b2, trans_b, out_dtype = call.args
         if a2 is not a or (b2 is not b and not trans_b):
             return None
-        fn, scratch = warm_kernel(kernel, a.shape[0])
+        made = warm_kernel(kernel, a.shape[0])
+        if made is None:
+            return None
+        fn, scratch = made
         M, N = a.shape[0], b.shape[1]
         buffers = (Buffer((M, N), out_dtype), *scratch)
         return fn, Recipe(((INPUT, 0), (INPUT_SWAPPED if trans_b else INPUT, 1), (OUTPUT, 0),

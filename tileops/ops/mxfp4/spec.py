@@ -253,7 +253,10 @@ class Mxfp4GemmSpec(OpSpec):
         a2, w = call.args
         if a2 is not a or w.fp4 is not w_fp4 or w.scale is not w_scale:
             return None
-        fn, scratch = warm_kernel(kernel, a.shape[0])
+        made = warm_kernel(kernel, a.shape[0])
+        if made is None:
+            return None
+        fn, scratch = made
         buffers = (Buffer((a.shape[0], w_fp4.shape[0]), a.dtype), *scratch)
         return fn, Recipe(((INPUT, 0), (INPUT_WORDS, 1), (INPUT, 2), (OUTPUT, 0),
                            *((SCRATCH, j) for j in range(1, len(buffers)))), buffers)
