@@ -80,11 +80,11 @@ def test_gemm_prefill_knobs_refused_where_they_change_nothing():
     assert "one warpgroup" in GEMM.check_config(problem, one_group, H200)
 
 
-@pytest.mark.parametrize("layout", ["nk", "kn"])
-def test_gemm_stream_k_lowers(layout):
+@pytest.mark.parametrize(("layout", "staged"), [("nk", 0), ("kn", 0), ("nk", 1)])
+def test_gemm_stream_k_lowers(layout, staged):
     problem = GEMM.Problem(256, 10240, 8192, "bfloat16", layout, "bfloat16")
     config = dict(GEMM.default_config(problem, H200), block_M=128, block_N=256, threads=256,
-                  num_stages=4, full_row=1, stream_k=1)
+                  num_stages=4 - staged, full_row=1, stream_k=1, staged_store=staged)
     assert GEMM.check_config(problem, config, H200) is None
     src = lower(GEMM.build(problem, config, H200), H200).kernel_source
     assert set(re.findall(r"kFloat32, (\d+, \d+, \d+)", src)) == {"64, 256, 16"}
@@ -92,6 +92,13 @@ def test_gemm_stream_k_lowers(layout):
     # the partials' hand-over: the flags, raised and awaited
     assert "int* __restrict__ flags" in src and "float* __restrict__ partials" in src
     assert "tileops_flag_raise(" in src and "tileops_flag_wait(" in src
+    # Staged, the tile has a buffer of its own: the producer is filling the stages meanwhile.
+    offsets = dict(re.findall(r"(\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)", src))
+    assert ("tma_store(" in src) == ("C_s" in offsets) == bool(staged)
+    if staged:
+        assert sorted(map(int, offsets.values())) == [0, 3 * 32768, 3 * 32768 + 65536]
+        four_stages = dict(config, num_stages=4)  # 4 x 48 KB + 64 KB: over the 227 KB
+        assert "shared memory" in GEMM.check_config(problem, four_stages, H200)
 
 
 @pytest.mark.parametrize(("shape", "layout", "refused"), [

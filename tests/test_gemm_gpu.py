@@ -87,15 +87,15 @@ def test_prefill_knobs_cuda(layout, full_row, staged_store, split_k):
 
 
 @pytest.mark.parametrize("layout", ["nk", "kn"])
-@pytest.mark.parametrize("full_row", [0, 1])
-def test_stream_k_cuda(layout, full_row):
+@pytest.mark.parametrize(("full_row", "staged_store"), [(0, 0), (1, 0), (1, 1)])
+def test_stream_k_cuda(layout, full_row, staged_store):
     """The stream-K program where tiles are cut between CTAs in every way (one iteration per
     CTA, a tile over many CTAs, data-parallel rounds then streamed waves), every element
     written, twice (its flags start at zero at every call). A lost flag would hang: run it
     under a timeout."""
-    config = {"block_M": 128, "block_N": 256, "block_K": 64, "num_stages": 4, "threads": 256,
-              "swizzle": 8, "swap_ab": 0, "split_k": 1, "full_row": full_row,
-              "staged_store": 0, "stream_k": 1}
+    config = {"block_M": 128, "block_N": 256, "block_K": 64, "num_stages": 4 - staged_store,
+              "threads": 256, "swizzle": 8, "swap_ab": 0, "split_k": 1, "full_row": full_row,
+              "staged_store": staged_store, "stream_k": 1}
     _writes_every_element(config, layout,
                           [(1, 256, 64), (5, 1000, 512), (257, 4104, 4096), (256, 10240, 8192),
                            (1000, 512, 1024), (2900, 6144, 512)],

@@ -105,6 +105,12 @@ def decode_split_k(N: int, K: int, block_N: int, block_K: int, units: int,
     return next((s for s in splits if tiles * s >= 2 * units), splits[-1])
 
 
+def units(problem: tuple, config: dict, target: Any) -> dict[str, int]:
+    """`Backend.derived` of the persistent programs: the target's SM count, their CTA count.
+    (A named function: tuning jobs pickle the spec, and a lambda does not pickle.)"""
+    return {"units": target.units}
+
+
 # Program parameters that are scratch space, allocated by `WorkspaceAdapter` at each call;
 # those in ZEROED start at zero (stream-K's flags), the others uninitialised.
 WORKSPACES = ("partials", "dequantized", "flags")

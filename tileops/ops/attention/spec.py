@@ -47,6 +47,7 @@ from ..host import (
     Once,
     dtype_name,
     smem_limit,
+    units,
 )
 from . import kernels
 
@@ -161,7 +162,7 @@ def _check_cuda(problem: AttentionProblem, config: Config, target: Target) -> st
 # cpu and hip defaults are constant: configs/attention.toml holds them beside their spaces.
 BACKENDS = {"cpu": Backend(kernels.cpu_program, BitsAdapter),
             "cuda": Backend(kernels.gpu_program, check=_check_cuda, default=_cuda_default,
-                            derived=lambda problem, config, target: {"units": target.units}),
+                            derived=units),
             "hip": Backend(kernels.gpu_program, check=_check_gpu)}
 
 

@@ -37,7 +37,7 @@ import torch
 from ... import autotune
 from ...spec import Backend, Call, Config, OpSpec, Space, check_scale, pow2_bucket, refuse_grad
 from ...target import Target
-from ..host import DTYPE_NAMES, DTYPE_SIZES, DTYPES, BitsAdapter, dtype_name
+from ..host import DTYPE_NAMES, DTYPE_SIZES, DTYPES, BitsAdapter, dtype_name, units
 from . import kernels
 from .spec import HEAD_DIMS, _attention, _check_gpu, _visible_pairs
 
@@ -161,7 +161,7 @@ def _check_cuda(problem: VarlenProblem, config: Config, target: Target) -> str |
 
 BACKENDS = {"cpu": Backend(_cpu_program, lambda k: TiledKernel(k, BitsAdapter(k))),
             "cuda": Backend(_gpu_program, TiledKernel, check=_check_cuda, default=_cuda_default,
-                            derived=lambda problem, config, target: {"units": target.units})}
+                            derived=units)}
 
 _NOT_HOPPER = ("flash_attention_varlen runs the warp-specialised schedule of sm_90 (TMA and "
                "asynchronous wgmma), which this GPU's arch does not take")

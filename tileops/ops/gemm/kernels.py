@@ -24,7 +24,6 @@ def gpu_program(N: int, K: int, dtype: str, out_dtype: str, trans_b: bool, *, sp
     workspace (split_k, M, N), and sums it in a second kernel. `stream_k` is the persistent
     program of `stream_k.py` on `units` CTAs (sm_90a), with its two workspaces."""
     if stream_k:
-        config.pop("staged_store", None)  # check_config: the stream-K tile stores from registers
         return _stream_k.program(N, K, dtype, out_dtype, trans_b, ctas=units, **config)
     M = T.dynamic("m")
     b_shape = (N, K) if trans_b else (K, N)

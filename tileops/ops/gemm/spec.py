@@ -25,6 +25,7 @@ from ..host import (
     check_decode_knobs,
     gpu_adapter,
     smem_limit,
+    units,
     warm_kernel,
 )
 from ..host import dtype_name as _name
@@ -79,9 +80,10 @@ def _check_gpu(problem: GemmProblem, config: Config, target: Target) -> str | No
     if config.get("staged_store"):
         if config.get("swap_ab"):
             return "staged_store is the unswapped tile's (a swapped one is always staged)"
-        # The tile reuses the stage buffers, which are free once the loop has ended.
         csize = 4 if config.get("split_k", 1) > 1 else _SIZES[problem.out_dtype]
-        smem = max(smem, bm * bn * csize)
+        # The pipelined tile's staging reuses the stage buffers, free once its loop has ended;
+        # the stream-K program's loads run on into its next tile, so it has a buffer of its own.
+        smem = smem + bm * bn * csize if config.get("stream_k") else max(smem, bm * bn * csize)
     if config.get("full_row") and config.get("swap_ab"):
         return "full_row is the unswapped tile's (a swapped one spans block_N in each warp)"
     if config.get("full_row") and target.is_hopper and threads == 128:
@@ -110,8 +112,8 @@ def _check_stream_k(problem: GemmProblem, config: Config, target: Target) -> str
     """Why the stream-K program (`stream_k.py`) cannot run this configuration."""
     if not target.arch.startswith("sm_90"):
         return "stream_k is written for sm_90a (wgmma, TMA)"
-    if config.get("split_k", 1) > 1 or config.get("swap_ab") or config.get("staged_store"):
-        return "stream_k splits K itself, unswapped, and stores its tiles from registers"
+    if config.get("split_k", 1) > 1 or config.get("swap_ab"):
+        return "stream_k splits K itself, unswapped"
     # Its operands come by TMA alone: rows must start on 16-byte boundaries.
     inner = (problem.K, problem.K if problem.layout == "nk" else problem.N)
     if any(n * _SIZES[problem.dtype] % 16 for n in inner):
@@ -122,7 +124,7 @@ def _check_stream_k(problem: GemmProblem, config: Config, target: Target) -> str
 # The kernels of each target kind. The hip and metal defaults are constant: configs/gemm.toml
 # holds them beside their spaces.
 _GPU = Backend(kernels.gpu_program, gpu_adapter, check=_check_gpu,
-               derived=lambda problem, config, target: {"units": target.units})
+               derived=units)
 BACKENDS = {"cpu": Backend(kernels.cpu_program, BitsAdapter, default=_cpu_default),
             "cuda": replace(_GPU, default=_cuda_default), "hip": _GPU, "metal": _GPU}
 

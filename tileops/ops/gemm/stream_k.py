@@ -8,8 +8,11 @@ step: the others (each holding a later part, always their first segment) write f
 to a workspace slot of their own and raise a flag; the finisher waits for the flags, adds the
 partials in CTA order (deterministic for a given SM count) and stores the tile. A CTA's
 segment that starts a tile without finishing it is always its last, and a segment that
-continues one is always its first, so no CTA waits on a CTA that waits: with one CTA per SM
-every flag is raised.
+continues one is always its first, so no CTA waits on a CTA that waits, and every flag is
+raised: with one CTA per SM at once, and also where fewer SMs are free (another stream's
+kernels, an MPS share), since the CTAs a finisher waits for come after it and raise their flags
+before any wait of their own; only a single free SM could stall (a finisher waiting for a CTA
+that cannot start).
 
 From two waves of tiles up, all whole waves but one run data-parallel first (tile i * ctas +
 cta), in the rasterised order of the pipelined tile, and only the last one to two waves' worth
@@ -17,12 +20,15 @@ of tiles stream (CUTLASS's hybrid): fewer partials, and the L2 locality of neigh
 
 The main loop is warp-specialised by hand: a producer warp issues each stage's TMA loads, the
 consumer warpgroups keep one K step's wgmma in flight and release the previous step's stage
-(`T.wait_wgmma(1)`), and the stage ring runs on across tiles and segments.
+(`T.wait_wgmma(1)`), and the stage ring runs on across tiles and segments. With `staged_store`
+a finished tile goes through a shared buffer of its own to TMA stores, which one thread waits
+to have read it while the others start the next tile.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the prim_func annotations.
 import tilelang.language as T
 
+from .. import gpu_tiles
 from ..common import ACCUM
 
 # The flag a partial's writer raises once its stores are visible (every consumer thread's, by
@@ -84,10 +90,11 @@ def last_cta(tile, dp, work, G, S: int):
 
 def program(N: int, K: int, dtype: str, out_dtype: str, trans_b: bool, *, block_M: int,
             block_N: int, block_K: int, num_stages: int, threads: int, swizzle: int,
-            full_row: int = 0, ctas: int = 132, **_):
+            full_row: int = 0, staged_store: int = 0, ctas: int = 132, **_):
     """C[M, N] = A[M, K] @ B (B (N, K) when `trans_b`), M dynamic, on `ctas` persistent CTAs
     of `threads` consumer threads and one producer warpgroup. Workspaces: `partials`
-    (ctas, block_M, block_N) fp32, uninitialised, and `flags` (ctas,) int32, zero."""
+    (ctas, block_M, block_N) fp32, uninitialised, and `flags` (ctas,) int32, zero. The other
+    knobs as in `gpu_tiles.matmul`."""
     M = T.dynamic("m")
     b_shape = (N, K) if trans_b else (K, N)
     b_tile = (block_N, block_K) if trans_b else (block_K, block_N)
@@ -172,7 +179,8 @@ def program(N: int, K: int, dtype: str, out_dtype: str, trans_b: bool, *, block_
                                 T.sync_threads(1, threads)
                                 for r, j in T.Parallel(block_M, block_N):
                                     C_f[r, j] += partials[cta + 1 + c, r, j]
-                        T.copy(C_f, C[at[4] * block_M, at[5] * block_N])
+                        gpu_tiles.store(C_f, C, None, at[4] * block_M, at[5] * block_N, 0, 0,
+                                        False, staged_store)
             else:
                 T.set_max_nreg(24, 0)
                 if tx < threads + 32:
