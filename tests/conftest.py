@@ -10,6 +10,7 @@ from tileops.db import Resolver
 from tileops.dispatch import DISPATCHER
 
 HAS_CUDA = torch.cuda.is_available() and torch.version.hip is None
+_SPEC_STATE = {name: dict(vars(spec)) for name, spec in tileops.SPECS.items()}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -28,6 +29,11 @@ def isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     for var in ("TILEOPS_TARGET", "TILELANG_DEFAULT_TARGET", "TILEOPS_CONFIG"):
         monkeypatch.delenv(var, raising=False)
+    # A method patched on a spec instance comes back from monkeypatch's undo as an instance
+    # attribute (the bound method), which would shadow a later test's patch of the class.
+    for name, spec in tileops.SPECS.items():
+        vars(spec).clear()
+        vars(spec).update(_SPEC_STATE[name])
     tileops.reset()
     DISPATCHER.resolver = Resolver(shipped=[])  # tests never read the databases we ship
     yield
