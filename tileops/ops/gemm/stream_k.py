@@ -46,7 +46,8 @@ __device__ __forceinline__ void tileops_flag_wait(int* flag) {
 }
 """
 
-WORKSPACES = ("partials", "flags")  # the program's last two parameters; flags start at zero
+# The consumers' named barrier around a partial's hand-over (TileLang's own take the low ids).
+_PARTIALS_BARRIER = 8
 
 
 def grid(tiles, ctas: int, S: int):
@@ -164,7 +165,7 @@ def program(N: int, K: int, dtype: str, out_dtype: str, trans_b: bool, *, block_
                         T.mbarrier_arrive(empty[(at[3] + at[2] - at[1] - 1) % stages])
                     if at[1] > 0:  # a later part of a tile: hand it to the tile's first CTA
                         T.copy(C_f, partials[cta, :, :])
-                        T.sync_threads(1, threads)
+                        T.sync_threads(_PARTIALS_BARRIER, threads)
                         if tx == 0:
                             T.call_extern("handle", "tileops_flag_raise",
                                           T.address_of(flags[cta]))
@@ -176,7 +177,7 @@ def program(N: int, K: int, dtype: str, out_dtype: str, trans_b: bool, *, block_
                                 if tx == 0:
                                     T.call_extern("handle", "tileops_flag_wait",
                                                   T.address_of(flags[cta + 1 + c]))
-                                T.sync_threads(1, threads)
+                                T.sync_threads(_PARTIALS_BARRIER, threads)
                                 for r, j in T.Parallel(block_M, block_N):
                                     C_f[r, j] += partials[cta + 1 + c, r, j]
                         gpu_tiles.store(C_f, C, None, at[4] * block_M, at[5] * block_N, 0, 0,
