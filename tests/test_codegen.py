@@ -114,6 +114,34 @@ def test_gemm_stream_k_needs_rows_tma_can_load(shape, layout, refused):
     assert "sm_90a" in GEMM.check_config(problem, config, A100)
 
 
+@pytest.mark.parametrize(("swap_ab", "block_M", "split_k"), [(1, 16, 2), (1, 16, 8), (0, 64, 4)])
+def test_gemm_split_k_summed_in_the_cluster(swap_ab, block_M, split_k):
+    """cluster_sum: the splits of a tile sum each other's fp32 tiles through the cluster's
+    shared memory, each CTA its share of the rows: no workspace, no second kernel."""
+    problem = GEMM.Problem(block_M, 4097, 4096, "bfloat16", "nk", "bfloat16")
+    config = dict(GEMM.default_config(problem, H200), swap_ab=swap_ab, block_M=block_M,
+                  block_N=64, block_K=128, threads=128, split_k=split_k, cluster_sum=1)
+    assert GEMM.check_config(problem, config, H200) is None
+    src = lower(GEMM.build(problem, config, H200), H200).kernel_source
+    assert "partials" not in src and "gemm_split_k" not in src
+    assert src.count("tileops_cluster_sync();") == 2
+    assert src.count("tileops_cluster_load(") == split_k + 1  # every rank, and the definition
+    assert "< 4097" in src  # the last column tile is cut at N
+
+
+@pytest.mark.parametrize(("knobs", "target"), [
+    ({"split_k": 1}, H200),  # nothing to sum
+    ({"split_k": 16}, H200),  # beyond a portable cluster
+    ({"split_k": 2, "num_stages": 2}, A100),  # no clusters before sm_90
+])
+def test_gemm_cluster_sum_refused_where_it_cannot_run(knobs, target):
+    problem = GEMM.Problem(16, 4096, 4096, "bfloat16", "nk", "bfloat16")
+    config = {**GEMM.default_config(problem, target), "block_M": 16, "block_N": 64,
+              "block_K": 128, "swap_ab": 1, "cluster_sum": 1, **knobs}
+    assert GEMM.check_config(problem, {**config, "cluster_sum": 0}, target) is None
+    assert "cluster_sum" in GEMM.check_config(problem, config, target)
+
+
 def test_gemm_odd_sizes_lower():
     problem = GEMM.Problem(8, 4097, 4095, "float16", "nk", "float16")
     src = lower(GEMM.build(problem, GEMM.default_config(problem, H200), H200), H200).kernel_source

@@ -138,7 +138,7 @@ def test_records_of_other_targets_are_never_served(tmp_path, use_dbs):
     # Records are validated as the target would build them (check_config included).
     gpu_cfg = {"block_M": 64, "block_N": 128, "block_K": 32, "num_stages": 3, "threads": 128,
                "swizzle": 8, "split_k": 1, "swap_ab": 0, "full_row": 0, "staged_store": 0,
-               "stream_k": 0}
+               "stream_k": 0, "cluster_sum": 0}
     hip_cfg = {"block_M": 128, "block_N": 128, "block_K": 32, "num_stages": 2, "threads": 256,
                "swizzle": 0, "k_pack": 1}
     records = [make_record(GEMM, t, P, cfg, space_hash="x")

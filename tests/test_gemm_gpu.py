@@ -62,12 +62,14 @@ def _writes_every_element(config: dict, layout: str, shapes: list, bucket, calls
 
 
 @pytest.mark.parametrize("layout", ["nk", "kn"])
-@pytest.mark.parametrize(("block_M", "swap_ab", "split_k"),
-                         [(16, 1, 1), (32, 1, 4), (64, 0, 2), (64, 1, 8)])
-def test_decode_variants_cuda(layout, block_M, swap_ab, split_k):
-    """Swapped tiles and split-K at odd M and N, every element written."""
+@pytest.mark.parametrize(("block_M", "swap_ab", "split_k", "cluster_sum"),
+                         [(16, 1, 1, 0), (32, 1, 4, 0), (64, 0, 2, 0), (64, 1, 8, 0),
+                          (16, 1, 2, 1), (32, 1, 8, 1), (64, 0, 4, 1)])
+def test_decode_variants_cuda(layout, block_M, swap_ab, split_k, cluster_sum):
+    """Swapped tiles and split-K (summed by a second kernel or in the cluster) at odd M and N,
+    every element written."""
     config = {"block_M": block_M, "block_N": 64, "block_K": 128, "num_stages": 4, "threads": 128,
-              "swizzle": 0, "swap_ab": swap_ab, "split_k": split_k}
+              "swizzle": 0, "swap_ab": swap_ab, "split_k": split_k, "cluster_sum": cluster_sum}
     _writes_every_element(config, layout,
                           [(1, 333, 4096), (13, 4097, 2048), (block_M, 256, 1024 * split_k)],
                           lambda M: 64)

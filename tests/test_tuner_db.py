@@ -33,7 +33,7 @@ def rec(target, text, config, **kw):
 CPU_CFG = {"block_M": 16, "block_N": 32, "block_K": 64}
 GPU_CFG = {"block_M": 128, "block_N": 128, "block_K": 64, "num_stages": 3, "threads": 256,
            "swizzle": 0, "split_k": 1, "swap_ab": 0, "full_row": 0, "staged_store": 0,
-           "stream_k": 0}
+           "stream_k": 0, "cluster_sum": 0}
 
 
 @pytest.fixture

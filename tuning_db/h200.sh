@@ -39,14 +39,17 @@ usage() { sed -n '2,22p' "$0"; exit 2; }
 slice() {  # sets ms, space, sampler, trials, extra for OP SLICE
   sampler=grid trials=64 space= extra=() dtype=$DTYPE suite=$1
   case "$1:$2" in
-    gemm:decode)  # the weight takes the wgmma M side (swap_ab); split-K for more CTAs
+    gemm:decode)  # the weight takes the wgmma M side (swap_ab); split-K for more CTAs, summed
+      # by a second kernel or in the cluster
       ms="1 16"; space='{"block_M": [16], "block_N": [64, 128], "block_K": [128, 256],
         "num_stages": [3, 4], "threads": [128], "swizzle": [0], "split_k": [1, 2, 4],
-        "swap_ab": [1], "full_row": [0], "staged_store": [0], "stream_k": [0]}' ;;
+        "cluster_sum": [0, 1], "swap_ab": [1], "full_row": [0], "staged_store": [0],
+        "stream_k": [0]}' ;;
     gemm:m64)
       ms="64"; space='{"block_M": [64], "block_N": [64, 128], "block_K": [128],
         "num_stages": [3, 4], "threads": [128], "swizzle": [0], "split_k": [1, 2, 4],
-        "swap_ab": [1], "full_row": [0], "staged_store": [0], "stream_k": [0]}' ;;
+        "cluster_sum": [0, 1], "swap_ab": [1], "full_row": [0], "staged_store": [0],
+        "stream_k": [0]}' ;;
     gemm:prefill)  # 64- and 128-row tiles (256 never won), one or two consumer warpgroups,
       # rasterised; whole rows per warpgroup or not, the tile stored through shared memory or
       # not, and the stream-K program: 78 points a problem, searched by TPE until it stops
@@ -54,7 +57,8 @@ slice() {  # sets ms, space, sampler, trials, extra for OP SLICE
       ms="256 1024 4096 8192"; sampler=tpe trials=32; extra=(--patience 10)
       space='{"block_M": [64, 128], "block_N": [128, 192, 256], "block_K": [64],
         "num_stages": [3, 4], "threads": [128, 256], "swizzle": [8], "split_k": [1],
-        "swap_ab": [0], "full_row": [0, 1], "staged_store": [0, 1], "stream_k": [0, 1]}' ;;
+        "cluster_sum": [0], "swap_ab": [0], "full_row": [0, 1], "staged_store": [0, 1],
+        "stream_k": [0, 1]}' ;;
     mxfp4_gemm:decode)  # decoded in shared memory or in registers; 512-wide K steps for TMA scales
       ms="1 16 64"; dtype=bfloat16; space='{"block_M": [16], "block_N": [64, 128],
         "block_K": [256, 512], "num_stages": [2, 3], "threads": [128], "dequant": ["bits", "reg"],

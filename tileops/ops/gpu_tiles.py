@@ -11,7 +11,7 @@ reading the weight:
   (split_k, M, N), the program's last parameter `partials`, and `sum_partials` adds them into C
   in a second kernel (`host.gpu_adapter` allocates the workspace at each call). On Hopper the
   splits may instead form a thread-block cluster and sum in distributed shared memory
-  (`cluster_sum`): no workspace, no second kernel.
+  (`cluster_sum`, summed by `sum_in_cluster`): no workspace, no second kernel.
 
 `matmul` is the whole tile loop of C = A @ B with these knobs; the GEMM is that loop, the MXFP4
 GEMM's "global" strategy runs it on the weight it dequantised first.
@@ -47,7 +47,8 @@ __device__ __forceinline__ float tileops_cluster_load(const float* p, int rank) 
 
 def matmul(M, N: int, K: int, dtype: str, trans_b: bool, *, block_M: int, block_N: int,
            block_K: int, num_stages: int, threads: int, swizzle: int, split_k: int = 1,
-           swap_ab: int = 0, k_pack: int = 1, full_row: int = 0, staged_store: int = 0):
+           swap_ab: int = 0, k_pack: int = 1, full_row: int = 0, staged_store: int = 0,
+           cluster_sum: int = 0):
     """The T.macro (A, B, C, partials): C (or, with split_k > 1, the workspace `partials`) =
     A (M, K) @ B, with B (N, K) when `trans_b` else (K, N); M is the program's dynamic size.
 
@@ -57,18 +58,24 @@ def matmul(M, N: int, K: int, dtype: str, trans_b: bool, *, block_M: int, block_
     whole rows of the tile: on sm_90a one wgmma spans block_N, so A is read from shared memory
     once per K step of 16 instead of once per 128 columns. `staged_store` writes the unswapped
     tile through shared memory (the stage buffers, free by then) with TMA stores: full 32-byte
-    sectors, where a fragment's own stores fill half of each.
+    sectors, where a fragment's own stores fill half of each. `cluster_sum` (sm_90a, 2-8
+    splits) sums a tile's splits in the cluster they launch as (`sum_in_cluster`): no
+    workspace, no second kernel, and `partials` unused.
     """
     annotations = {"k_pack": k_pack} if k_pack != 1 else None
     policy = T.GemmWarpPolicy.FullRow if full_row else T.GemmWarpPolicy.Square
     b_tile = (block_N, block_K) if trans_b else (block_K, block_N)
     k_steps = -(-K // block_K) // split_k  # check_config: split_k divides the K steps
     partial = split_k > 1
+    cluster = partial and cluster_sum == 1
+    launch = {"cluster_dims": (1, 1, split_k)} if cluster else {}
 
     @T.macro
     def tiles(A, B, C, partials):
         with T.Kernel(T.ceildiv(N, block_N), T.ceildiv(M, block_M), split_k,
-                      threads=threads) as (bx, by, bz):
+                      threads=threads, **launch) as (bx, by, bz):
+            if cluster:
+                T.import_source(CLUSTER_SOURCE)
             A_s = T.alloc_shared((block_M, block_K), dtype)
             B_s = T.alloc_shared(b_tile, dtype)
             C_f = accumulator(block_M, block_N, swap_ab)
@@ -83,8 +90,16 @@ def matmul(M, N: int, K: int, dtype: str, trans_b: bool, *, block_M: int, block_
                 else:
                     T.copy(B[ko * block_K, bx * block_N], B_s)
                 mma(A_s, B_s, C_f, swap_ab, trans_b, annotations, policy)
-            store(C_f, C, partials, by * block_M, bx * block_N, bz, swap_ab, partial,
-                  staged_store)
+            if cluster:  # the splits' fp32 tiles, summed across the cluster's shared memory
+                C_s = T.alloc_shared((block_M, block_N), ACCUM)
+                if swap_ab:
+                    transpose(C_f, C_s, 0)
+                else:
+                    T.copy(C_f, C_s)
+                sum_in_cluster(C_s, C, M, by * block_M, bx * block_N, bz, split_k)
+            else:
+                store(C_f, C, partials, by * block_M, bx * block_N, bz, swap_ab, partial,
+                      staged_store)
 
     return tiles
 
@@ -108,7 +123,7 @@ def mma(A_s, B_s, C_f, swap_ab, trans_b, annotations, policy=T.GemmWarpPolicy.Sq
 @T.macro
 def transpose(C_f, C_s, n0):
     """C_s[:, n0:] = the swapped accumulator C_f (block_N, block_M) transposed, in shared memory:
-    what `write_tile` and `cluster_sum` write from."""
+    what `write_tile` and `sum_in_cluster` write from."""
     for j, i in T.Parallel(C_f.shape[0], C_f.shape[1]):
         C_s[i, n0 + j] = C_f[j, i]
 
@@ -145,19 +160,24 @@ def write_tile(tile, C, partials, m0, n0, split, partial):
 
 
 @T.macro
-def cluster_sum(C_s, C, m, m0, n0, rank, split_k):
+def sum_in_cluster(C_s, C, m, m0, n0, rank, split_k):
     """C[m0:, n0:] = the sum of C_s (fp32, rows x cols) over a cluster's `split_k` CTAs, CTA
-    `rank` summing and writing its rows / split_k rows (rows past m dropped). The first barrier
-    makes every C_s whole before any is read, the second keeps each CTA (and its shared memory)
-    alive until the others have read it. The kernel imports `CLUSTER_SOURCE`."""
+    `rank` summing and writing its rows / split_k rows (rows past m dropped, and columns past
+    C's where the tiles do not divide them). The first barrier makes every C_s whole before any
+    is read, the second keeps each CTA (and its shared memory) alive until the others have read
+    it. The kernel imports `CLUSTER_SOURCE`."""
     rows, cols = C_s.shape
     part = rows // split_k  # the caller checks that split_k divides the rows
+    n = C.shape[1]
     T.call_extern("handle", "tileops_cluster_sync")
     for i, j in T.Parallel(part, cols):
         row = rank * part + i
         loads = [T.call_extern(ACCUM, "tileops_cluster_load", T.address_of(C_s[row, j]), s)
                  for s in range(split_k)]
-        if m0 + row < m:
+        inside = m0 + row < m
+        if n % cols:
+            inside = T.And(inside, n0 + j < n)
+        if inside:
             C[m0 + row, n0 + j] = functools.reduce(operator.add, loads)
     T.call_extern("handle", "tileops_cluster_sync")
 

@@ -18,18 +18,20 @@ from . import stream_k as _stream_k
 
 
 def gpu_program(N: int, K: int, dtype: str, out_dtype: str, trans_b: bool, *, split_k: int = 1,
-                stream_k: int = 0, units: int = 132, **config):
+                cluster_sum: int = 0, stream_k: int = 0, units: int = 132, **config):
     """The GPU tile program (wgmma on sm_90a, mma on older CUDA, MFMA/WMMA on HIP): the tile loop
     of `gpu_tiles.matmul`. With `split_k` > 1 the program takes a fourth argument, its fp32
-    workspace (split_k, M, N), and sums it in a second kernel. `stream_k` is the persistent
-    program of `stream_k.py` on `units` CTAs (sm_90a), with its two workspaces."""
+    workspace (split_k, M, N), and sums it in a second kernel, unless `cluster_sum` sums the
+    splits in their cluster. `stream_k` is the persistent program of `stream_k.py` on `units`
+    CTAs (sm_90a), with its two workspaces."""
     if stream_k:
         return _stream_k.program(N, K, dtype, out_dtype, trans_b, ctas=units, **config)
     M = T.dynamic("m")
     b_shape = (N, K) if trans_b else (K, N)
-    tiles = gpu_tiles.matmul(M, N, K, dtype, trans_b, split_k=split_k, **config)
+    tiles = gpu_tiles.matmul(M, N, K, dtype, trans_b, split_k=split_k, cluster_sum=cluster_sum,
+                             **config)
 
-    if split_k == 1:
+    if split_k == 1 or cluster_sum:
         @T.prim_func
         def gemm(A: T.Tensor((M, K), dtype), B: T.Tensor(b_shape, dtype),
                  C: T.Tensor((M, N), out_dtype)):

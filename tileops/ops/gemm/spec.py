@@ -61,14 +61,14 @@ def _cuda_default(problem: GemmProblem, target: Target, space: Space) -> Config:
         # at M = 64 it won once in seven.
         return {"block_M": max(M, 16), "block_N": 64, "block_K": 256 if M <= 16 else 128,
                 "num_stages": 4, "threads": 128, "swizzle": 0, "swap_ab": 1, "split_k": 1,
-                "full_row": 0, "staged_store": 0, "stream_k": 0}
+                "full_row": 0, "staged_store": 0, "stream_k": 0, "cluster_sum": 0}
     if M <= 256:
         return {"block_M": 64, "block_N": 128, "block_K": 64, "num_stages": 4,
                 "threads": 128, "swizzle": 0, "split_k": 1, "swap_ab": 0, "full_row": 0,
-                "staged_store": 0, "stream_k": 0}
+                "staged_store": 0, "stream_k": 0, "cluster_sum": 0}
     return {"block_M": 128, "block_N": 256, "block_K": 64, "num_stages": 3, "threads": 256,
             "swizzle": 8, "split_k": 1, "swap_ab": 0, "full_row": 0, "staged_store": 0,
-            "stream_k": 0}
+            "stream_k": 0, "cluster_sum": 0}
 
 
 def _check_gpu(problem: GemmProblem, config: Config, target: Target) -> str | None:
@@ -92,6 +92,10 @@ def _check_gpu(problem: GemmProblem, config: Config, target: Target) -> str | No
         reason = _check_stream_k(problem, config, target)
         if reason:
             return reason
+    split = config.get("split_k", 1)
+    if config.get("cluster_sum") and (not target.is_hopper or not 1 < split <= 8 or bm % split):
+        return (f"cluster_sum takes 2-8 K splits (a portable cluster, sm_90) dividing the {bm} "
+                f"rows, not {split}")
     limit = smem_limit(target.arch)
     if smem > limit:
         return f"shared memory {smem // 1024} KiB > {limit // 1024} KiB"

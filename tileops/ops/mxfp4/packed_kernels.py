@@ -104,7 +104,7 @@ def packed_program(N: int, K: int, dtype: str, *, block_M: int, block_K: int, nu
     accumulator each, so that one activation tile serves both (at M = 16 it is as many bytes as
     64 rows of weight). The weight's words and scales arrive by TMA, a K step per pipeline
     stage; split-K as `gpu_tiles` does it, its sum in a second kernel or, `cluster_sum` 1, among
-    the splits of a tile as one cluster (`gpu_tiles.cluster_sum`).
+    the splits of a tile as one cluster (`gpu_tiles.sum_in_cluster`).
     `ctas_per_sm` > 1 caps registers (`thread_regs`) so that CTAs share an SM: one CTA's decode
     runs while another's wgmma and loads are in flight. No setmaxnreg then: a consumer growing
     past its share would wait forever for registers wherever ptxas allotted the kernel fewer."""
@@ -164,7 +164,7 @@ def packed_program(N: int, K: int, dtype: str, *, block_M: int, block_K: int, nu
             if two:
                 gpu_tiles.transpose(C_g, C_s, group)
             if cluster:
-                gpu_tiles.cluster_sum(C_s, C, M, by * block_M, bx * block_N, bz, split_k)
+                gpu_tiles.sum_in_cluster(C_s, C, M, by * block_M, bx * block_N, bz, split_k)
             else:
                 gpu_tiles.write_tile(C_s, C, partials, by * block_M, bx * block_N, bz, partial)
 
