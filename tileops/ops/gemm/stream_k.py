@@ -56,18 +56,20 @@ def grid(tiles, ctas: int, S: int):
     return T.min(ctas, tiles * S)
 
 
-def schedule(tiles, cta, G, S: int) -> tuple:
+def schedule(tiles, cta, G, S: int, keep=lambda slot, value: value) -> tuple:
     """CTA `cta`'s share (of `G`, `grid`) of `tiles` tiles of `S` K steps each: (data-parallel
     tiles in all, streamed iterations in all, this CTA's streamed iterations [start, end), the
     streamed tile of `start`, data-parallel rounds, pieces of work). Expressions (the kernel's M
-    is dynamic), which the tests evaluate for integers."""
-    dp = T.if_then_else(tiles >= 2 * G, (tiles // G - 1) * G, 0)
-    work = (tiles - dp) * S
-    start = T.Cast("int32", T.Cast("int64", work) * cta // G)
-    end = T.Cast("int32", T.Cast("int64", work) * (cta + 1) // G)
-    first = start // S
-    rounds = dp // G
-    pieces = rounds + (end - 1) // S - first + 1  # G <= work: end > start
+    is dynamic), which the tests evaluate for integers; each passes through `keep(slot, value)`,
+    with which the kernel stores it and reads it back, so that no later one repeats its
+    arithmetic (64-bit divisions among it)."""
+    dp = keep(0, T.if_then_else(tiles >= 2 * G, (tiles // G - 1) * G, 0))
+    work = keep(1, (tiles - dp) * S)
+    start = keep(2, T.Cast("int32", T.Cast("int64", work) * cta // G))
+    end = keep(3, T.Cast("int32", T.Cast("int64", work) * (cta + 1) // G))
+    first = keep(4, start // S)
+    rounds = keep(5, dp // G)
+    pieces = keep(6, rounds + (end - 1) // S - first + 1)  # G <= work: end > start
     return dp, work, start, end, first, rounds, pieces
 
 
@@ -87,6 +89,12 @@ def last_cta(tile, dp, work, G, S: int):
     """The CTA whose streamed range holds the last K step of streamed tile `tile`: the
     tile's CTAs are the one holding its first step through this one."""
     return T.Cast("int32", (T.Cast("int64", (tile - dp + 1) * S) * G - 1) // work)
+
+
+def keep(buf, slot: int, value):
+    """Store `value` in buf[slot] (in the statement being built) and read it back."""
+    T.buffer_store(buf, value, [slot])
+    return buf[slot]
 
 
 def program(N: int, K: int, dtype: str, out_dtype: str, trans_b: bool, *, block_M: int,
@@ -112,7 +120,7 @@ def program(N: int, K: int, dtype: str, out_dtype: str, trans_b: bool, *, block_
         """at[0:4] = `piece` i of CTA `cta` (`plan` holds its `schedule`), at[4],
         at[5] = the tile's row and column tile: column-major in panels of `panel` row tiles,
         the pipelined tile's rasterisation."""
-        made = piece(i, cta, plan[0], plan[2], plan[3], plan[4], plan[5], G, S)
+        made = piece(i, cta, plan[0], plan[2], plan[3], plan[4], plan[5], plan[7], S)
         at[0] = made[0]
         at[1] = made[1]
         at[2] = made[2]
@@ -134,18 +142,12 @@ def program(N: int, K: int, dtype: str, out_dtype: str, trans_b: bool, *, block_
             full = T.alloc_barrier([2] * stages)
             empty = T.alloc_barrier([warps] * stages)
             C_f = T.alloc_fragment((block_M, block_N), ACCUM)
-            plan = T.alloc_local((7,), "int32")  # this CTA's `schedule`
+            plan = T.alloc_local((8,), "int32")  # this CTA's `schedule`, then the grid
             at = T.alloc_local((6,), "int32")
             T.import_source(FLAG_SOURCE)
             ny = T.ceildiv(M, block_M)
-            made = schedule(ny * nx, cta, G, S)
-            plan[0] = made[0]
-            plan[1] = made[1]
-            plan[2] = made[2]
-            plan[3] = made[3]
-            plan[4] = made[4]
-            plan[5] = made[5]
-            plan[6] = made[6]
+            plan[7] = G
+            _ = schedule(ny * nx, cta, plan[7], S, lambda slot, value: keep(plan, slot, value))
             tx = T.get_thread_binding()
             if tx < threads:
                 T.set_max_nreg(240, 1)
@@ -172,7 +174,7 @@ def program(N: int, K: int, dtype: str, out_dtype: str, trans_b: bool, *, block_
                     else:
                         if at[2] < S:  # the tile's first part: add the later ones, CTA order
                             # the CTA holding the tile's last iteration
-                            last = last_cta(at[0], plan[0], plan[1], G, S)
+                            last = last_cta(at[0], plan[0], plan[1], plan[7], S)
                             for c in T.serial(last - cta):
                                 if tx == 0:
                                     T.call_extern("handle", "tileops_flag_wait",
