@@ -52,6 +52,10 @@ def _cpu_default(problem: GemmProblem, target: Target, space: Space) -> Config:
             "block_N": 32, "block_K": 64}
 
 
+# The defaults' schedule knobs, all off (not yet measured to win anywhere by default).
+_PLAIN = {"full_row": 0, "staged_store": 0, "stream_k": 0, "cluster_sum": 0}
+
+
 def _cuda_default(problem: GemmProblem, target: Target, space: Space) -> Config:
     """By M: decode tiles with the operands swapped, mid-size tiles, then large ones."""
     M = problem.M
@@ -61,14 +65,13 @@ def _cuda_default(problem: GemmProblem, target: Target, space: Space) -> Config:
         # at M = 64 it won once in seven.
         return {"block_M": max(M, 16), "block_N": 64, "block_K": 256 if M <= 16 else 128,
                 "num_stages": 4, "threads": 128, "swizzle": 0, "swap_ab": 1, "split_k": 1,
-                "full_row": 0, "staged_store": 0, "stream_k": 0, "cluster_sum": 0}
+                **_PLAIN}
     if M <= 256:
         return {"block_M": 64, "block_N": 128, "block_K": 64, "num_stages": 4,
-                "threads": 128, "swizzle": 0, "split_k": 1, "swap_ab": 0, "full_row": 0,
-                "staged_store": 0, "stream_k": 0, "cluster_sum": 0}
+                "threads": 128, "swizzle": 0, "split_k": 1, "swap_ab": 0, **_PLAIN}
     return {"block_M": 128, "block_N": 256, "block_K": 64, "num_stages": 3, "threads": 256,
-            "swizzle": 8, "split_k": 1, "swap_ab": 0, "full_row": 0, "staged_store": 0,
-            "stream_k": 0, "cluster_sum": 0}
+            "swizzle": 8, "split_k": 1, "swap_ab": 0, **_PLAIN}
+
 
 
 def _check_gpu(problem: GemmProblem, config: Config, target: Target) -> str | None:
@@ -78,24 +81,13 @@ def _check_gpu(problem: GemmProblem, config: Config, target: Target) -> str | No
     esize = _SIZES[problem.dtype]
     smem = stages * (bm * bk + bk * bn) * esize
     if config.get("staged_store"):
-        if config.get("swap_ab"):
-            return "staged_store is the unswapped tile's (a swapped one is always staged)"
         csize = 4 if config.get("split_k", 1) > 1 else _SIZES[problem.out_dtype]
         # The pipelined tile's staging reuses the stage buffers, free once its loop has ended;
         # the stream-K program's loads run on into its next tile, so it has a buffer of its own.
         smem = smem + bm * bn * csize if config.get("stream_k") else max(smem, bm * bn * csize)
-    if config.get("full_row") and config.get("swap_ab"):
-        return "full_row is the unswapped tile's (a swapped one spans block_N in each warp)"
-    if config.get("full_row") and target.is_hopper and threads == 128:
-        return "full_row with one warpgroup is the default split (it holds every row)"
-    if config.get("stream_k"):
-        reason = _check_stream_k(problem, config, target)
-        if reason:
-            return reason
-    split = config.get("split_k", 1)
-    if config.get("cluster_sum") and (not target.is_hopper or not 1 < split <= 8 or bm % split):
-        return (f"cluster_sum takes 2-8 K splits (a portable cluster, sm_90) dividing the {bm} "
-                f"rows, not {split}")
+    reason = _check_schedule(problem, config, target)
+    if reason:
+        return reason
     limit = smem_limit(target.arch)
     if smem > limit:
         return f"shared memory {smem // 1024} KiB > {limit // 1024} KiB"
@@ -112,11 +104,23 @@ def _check_gpu(problem: GemmProblem, config: Config, target: Target) -> str | No
     return None
 
 
-def _check_stream_k(problem: GemmProblem, config: Config, target: Target) -> str | None:
-    """Why the stream-K program (`stream_k.py`) cannot run this configuration."""
+def _check_schedule(problem: GemmProblem, config: Config, target: Target) -> str | None:
+    """Why the schedule knobs (`full_row`, `staged_store`, `stream_k`, `cluster_sum`) cannot
+    run, or would repeat another point of the space."""
+    swap, split, bm = config.get("swap_ab"), config.get("split_k", 1), config["block_M"]
+    if swap and (config.get("staged_store") or config.get("full_row")):
+        return "staged_store and full_row are the unswapped tile's (a swapped one is staged and " \
+               "spans block_N in each warp)"
+    if config.get("full_row") and target.is_hopper and config["threads"] == 128:
+        return "full_row with one warpgroup is the default split (it holds every row)"
+    if config.get("cluster_sum") and (not target.is_hopper or not 1 < split <= 8 or bm % split):
+        return (f"cluster_sum takes 2-8 K splits (a portable cluster, sm_90) dividing the {bm} "
+                f"rows, not {split}")
+    if not config.get("stream_k"):
+        return None
     if not target.arch.startswith("sm_90"):
         return "stream_k is written for sm_90a (wgmma, TMA)"
-    if config.get("split_k", 1) > 1 or config.get("swap_ab"):
+    if split > 1 or swap:
         return "stream_k splits K itself, unswapped"
     # Its operands come by TMA alone: rows must start on 16-byte boundaries.
     inner = (problem.K, problem.K if problem.layout == "nk" else problem.N)
@@ -127,8 +131,7 @@ def _check_stream_k(problem: GemmProblem, config: Config, target: Target) -> str
 
 # The kernels of each target kind. The hip and metal defaults are constant: configs/gemm.toml
 # holds them beside their spaces.
-_GPU = Backend(kernels.gpu_program, gpu_adapter, check=_check_gpu,
-               derived=units)
+_GPU = Backend(kernels.gpu_program, gpu_adapter, check=_check_gpu, derived=units)
 BACKENDS = {"cpu": Backend(kernels.cpu_program, BitsAdapter, default=_cpu_default),
             "cuda": replace(_GPU, default=_cuda_default), "hip": _GPU, "metal": _GPU}
 
