@@ -45,10 +45,10 @@ def test_attention_cuda(B, Sq, Skv, Hq, Hkv, D, causal, dtype):
     check(out, lse, ATTENTION.reference((q, k, v, causal)))
 
 
-SCHEDULES = pytest.mark.parametrize("schedule", [{}, {"pingpong": 1}, {"overlap": 1},
-                                                 {"overlap": 2}, {"overlap": 2, "persistent": 1}],
-                                     ids=["default", "pingpong", "overlap", "ws_overlap",
-                                          "persistent"])
+SCHEDULES = pytest.mark.parametrize("schedule", [
+    {}, {"pingpong": 1}, {"overlap": 1}, {"overlap": 2}, {"overlap": 2, "persistent": 1},
+    {"overlap": 2, "block_M": 128, "block_N": 176, "num_stages": 1, "threads": 256},
+], ids=["default", "pingpong", "overlap", "ws_overlap", "persistent", "ws_overlap_176"])
 
 
 def compiled(problem, schedule):

@@ -79,9 +79,10 @@ slice() {  # sets ms, space, sampler, trials, extra for OP SLICE
         "block_K": [64], "num_stages": [3, 4], "threads": [128, 256], "dequant": ["global"],
         "swizzle": [8], "split_k": [1], "swap_ab": [0], "ctas_per_sm": [1]}' ;;
     attention:all)  # the tiles that came within 3% of a problem's best in the whole space's
-      # grid, in each schedule (28-35 valid points with persistent; benchmarks/NOTES.md); a
-      # kernel compiled for one problem serves the others of its heads, head_dim and causal flag
-      ms=""; dtype=bfloat16; space='{"block_M": [64, 128], "block_N": [64, 128],
+      # grid, in each schedule (28-35 valid points with persistent; benchmarks/NOTES.md), and
+      # FlashAttention-3's 176-key blocks; a kernel compiled for one problem serves the others
+      # of its heads, head_dim and causal flag
+      ms=""; dtype=bfloat16; space='{"block_M": [64, 128], "block_N": [64, 128, 176],
         "num_stages": [1, 2], "threads": [128, 256], "overlap": [0, 1, 2], "pingpong": [0],
         "persistent": [0, 1]}' ;;
     attention_varlen:all)  # the paged kernel's winners at head_dim 128 (128 x 128 tiles, one or
