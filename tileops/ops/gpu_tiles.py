@@ -90,16 +90,8 @@ def matmul(M, N: int, K: int, dtype: str, trans_b: bool, *, block_M: int, block_
                 else:
                     T.copy(B[ko * block_K, bx * block_N], B_s)
                 mma(A_s, B_s, C_f, swap_ab, trans_b, annotations, policy)
-            if cluster:  # the splits' fp32 tiles, summed across the cluster's shared memory
-                C_s = T.alloc_shared((block_M, block_N), ACCUM)
-                if swap_ab:
-                    transpose(C_f, C_s, 0)
-                else:
-                    T.copy(C_f, C_s)
-                sum_in_cluster(C_s, C, M, by * block_M, bx * block_N, bz, split_k)
-            else:
-                store(C_f, C, partials, by * block_M, bx * block_N, bz, swap_ab, partial,
-                      staged_store)
+            store(C_f, C, partials, by * block_M, bx * block_N, bz, swap_ab, partial,
+                  staged_store, (M, split_k) if cluster else None)
 
     return tiles
 
@@ -129,22 +121,27 @@ def transpose(C_f, C_s, n0):
 
 
 @T.macro
-def store(C_f, C, partials, m0, n0, split, swap_ab, partial, staged=0):
+def store(C_f, C, partials, m0, n0, split, swap_ab, partial, staged=0, cluster=None):
     """Write the accumulator of the output tile at (m0, n0): into C, or into the split's slice of
-    the workspace when `partial` (split-K). Rows past M and columns past N are dropped.
+    the workspace when `partial` (split-K), or, `cluster` (m, split_k), summed with the other
+    splits' across their cluster into C (`sum_in_cluster`). Rows past M and columns past N are
+    dropped.
 
     A swapped accumulator is transposed through shared memory: written straight from the
     fragment, each thread's elements would land a row of C apart, one 32-byte sector per element.
-    An unswapped one goes through shared memory too when `staged`.
+    An unswapped one goes through shared memory too when `staged` or summed in the cluster.
     """
-    if swap_ab:
-        C_s = T.alloc_shared((C_f.shape[1], C_f.shape[0]), ACCUM if partial else C.dtype)
-        transpose(C_f, C_s, 0)
-        write_tile(C_s, C, partials, m0, n0, split, partial)
-    elif staged:
-        C_s = T.alloc_shared(C_f.shape, ACCUM if partial else C.dtype)
-        T.copy(C_f, C_s)
-        write_tile(C_s, C, partials, m0, n0, split, partial)
+    if swap_ab or staged or cluster:
+        rows, cols = (C_f.shape[1], C_f.shape[0]) if swap_ab else C_f.shape
+        C_s = T.alloc_shared((rows, cols), ACCUM if partial else C.dtype)
+        if swap_ab:
+            transpose(C_f, C_s, 0)
+        else:
+            T.copy(C_f, C_s)
+        if cluster:
+            sum_in_cluster(C_s, C, cluster[0], m0, n0, split, cluster[1])
+        else:
+            write_tile(C_s, C, partials, m0, n0, split, partial)
     else:
         write_tile(C_f, C, partials, m0, n0, split, partial)
 

@@ -73,7 +73,6 @@ def _cuda_default(problem: GemmProblem, target: Target, space: Space) -> Config:
             "swizzle": 8, "split_k": 1, "swap_ab": 0, **_PLAIN}
 
 
-
 def _check_gpu(problem: GemmProblem, config: Config, target: Target) -> str | None:
     """Shared-memory budget, accumulator registers, wgmma tile shapes and the decode knobs."""
     bm, bn, bk = config["block_M"], config["block_N"], config["block_K"]

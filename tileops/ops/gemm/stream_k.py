@@ -15,8 +15,9 @@ before any wait of their own; only a single free SM could stall (a finisher wait
 that cannot start).
 
 From two waves of tiles up, all whole waves but one run data-parallel first (tile i * ctas +
-cta), in the rasterised order of the pipelined tile, and only the last one to two waves' worth
-of tiles stream (CUTLASS's hybrid): fewer partials, and the L2 locality of neighbouring tiles.
+cta), in panels of row tiles as the pipelined tile rasterises them, and only the last one to
+two waves' worth of tiles stream (CUTLASS's hybrid): fewer partials, and the L2 locality of
+neighbouring tiles.
 
 The main loop is warp-specialised by hand: a producer warp issues each stage's TMA loads, the
 consumer warpgroups keep one K step's wgmma in flight and release the previous step's stage
@@ -116,10 +117,10 @@ def program(N: int, K: int, dtype: str, out_dtype: str, trans_b: bool, *, block_
     policy = T.GemmWarpPolicy.FullRow if full_row else T.GemmWarpPolicy.Square
 
     @T.macro
-    def locate(i, cta, G, plan, at, ny):
+    def locate(i, cta, plan, at, ny):
         """at[0:4] = `piece` i of CTA `cta` (`plan` holds its `schedule`), at[4],
         at[5] = the tile's row and column tile: column-major in panels of `panel` row tiles,
-        the pipelined tile's rasterisation."""
+        the pipelined tile's panels (without its reversal of every other panel)."""
         made = piece(i, cta, plan[0], plan[2], plan[3], plan[4], plan[5], plan[7], S)
         at[0] = made[0]
         at[1] = made[1]
@@ -152,7 +153,7 @@ def program(N: int, K: int, dtype: str, out_dtype: str, trans_b: bool, *, block_
             if tx < threads:
                 T.set_max_nreg(240, 1)
                 for i in T.serial(plan[6]):
-                    locate(i, cta, G, plan, at, ny)
+                    locate(i, cta, plan, at, ny)
                     T.clear(C_f)
                     for k in T.serial(at[2] - at[1]):
                         g = at[3] + k
@@ -188,7 +189,7 @@ def program(N: int, K: int, dtype: str, out_dtype: str, trans_b: bool, *, block_
                 T.set_max_nreg(24, 0)
                 if tx < threads + 32:
                     for i in T.serial(plan[6]):
-                        locate(i, cta, G, plan, at, ny)
+                        locate(i, cta, plan, at, ny)
                         for k in T.serial(at[2] - at[1]):
                             g = at[3] + k
                             ko = at[1] + k
