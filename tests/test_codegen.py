@@ -51,6 +51,16 @@ def test_swapped_mma_tiles_refused_where_no_warp_layout_covers_them(block_N, thr
         assert "mma" in lower(GEMM.build(problem, config, A100), A100).kernel_source
 
 
+def _wgmma_shapes(src: str) -> set[str]:
+    """The (M, N, K) of every wgmma the kernel source issues."""
+    return set(re.findall(r"kFloat32, (\d+, \d+, \d+)", src))
+
+
+def _smem_offsets(src: str) -> dict[str, str]:
+    """Each shared buffer's offset in the kernel's dynamic shared memory."""
+    return dict(re.findall(r"(\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)", src))
+
+
 @pytest.mark.parametrize(("shape", "knobs", "wgmma", "tma_store"), [
     ((4096, 4096, 4096), {"full_row": 1}, "64, 256, 16", False),  # one wgmma spans block_N
     ((4096, 4096, 4096), {"staged_store": 1}, "64, 128, 16", True),
@@ -63,10 +73,10 @@ def test_gemm_prefill_knobs_lower(shape, knobs, wgmma, tma_store):
     config = dict(GEMM.default_config(problem, H200), **knobs)
     assert GEMM.check_config(problem, config, H200) is None
     src = lower(GEMM.build(problem, config, H200), H200).kernel_source
-    assert set(re.findall(r"kFloat32, (\d+, \d+, \d+)", src)) == {wgmma}
+    assert _wgmma_shapes(src) == {wgmma}
     assert ("tma_store(" in src) == tma_store  # TMA needs rows of a multiple of 16 bytes
     # The staged tile reuses the stage buffers: it starts where they do.
-    offsets = dict(re.findall(r"(\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)", src))
+    offsets = _smem_offsets(src)
     assert offsets.get("C_s", "0") == "0" and len(offsets) == 2 + ("C_s" in offsets)
     assert ("C_s" in offsets) == bool(knobs.get("staged_store"))
 
@@ -87,13 +97,13 @@ def test_gemm_stream_k_lowers(layout, staged):
                   num_stages=4 - staged, full_row=1, stream_k=1, staged_store=staged)
     assert GEMM.check_config(problem, config, H200) is None
     src = lower(GEMM.build(problem, config, H200), H200).kernel_source
-    assert set(re.findall(r"kFloat32, (\d+, \d+, \d+)", src)) == {"64, 256, 16"}
+    assert _wgmma_shapes(src) == {"64, 256, 16"}
     assert "wait_wgmma<1>" in src  # one K step's product in flight
     # the partials' hand-over: the flags, raised and awaited
     assert "int* __restrict__ flags" in src and "float* __restrict__ partials" in src
     assert "tileops_flag_raise(" in src and "tileops_flag_wait(" in src
     # Staged, the tile has a buffer of its own: the producer is filling the stages meanwhile.
-    offsets = dict(re.findall(r"(\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)", src))
+    offsets = _smem_offsets(src)
     assert ("tma_store(" in src) == ("C_s" in offsets) == bool(staged)
     if staged:
         assert sorted(map(int, offsets.values())) == [0, 3 * 32768, 3 * 32768 + 65536]
