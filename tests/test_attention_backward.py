@@ -1,7 +1,8 @@
 """The backward of flash_attention: gradients against a float64 reference (GQA, causal with either
 length longer, the lse's gradient, a softmax scale), autograd and torch.compile wiring, the
 checks of bad arguments, and (marked `gpu`) the sm_90 kernel with NaN-filled outputs; and the
-backward of flash_attention_varlen (CPU only so far)."""
+same for the backward of flash_attention_varlen, with a NaN in one packed sequence and a CUDA
+graph of the packed backward."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from helpers import rel_error
 from test_codegen import A100, H200
+from test_target_matrix import source as matrix_source
 
 import tileops
 from tileops import dispatch
@@ -274,10 +276,150 @@ def test_varlen_backward_refuses_bad_results():
         ATTENTION_VARLEN_BACKWARD.prepare(*args, out, out.double(), lse)
 
 
+def varlen_grads(lq, lkv, Hq, Hkv, D, causal, dtype, device, spare_keys=0, lse_weight=0.0,
+                 poison=None):
+    """Autograd's (dq, dk, dv) of sum(out * g) + lse_weight * sum(lse * h) for packed leaves,
+    and the float64 reference's. `poison`: a sequence whose q, k, v and g rows are set to NaN."""
+    q, k, v, cu_q, cu_k, mq, mk = packed(lq, lkv, Hq, Hkv, D, dtype, device, spare_keys,
+                                         seed=sum(lq))
+    gen = torch.Generator(device=device).manual_seed(1)
+    g = torch.randn(q.shape, generator=gen, device=device).to(dtype)
+    if poison is not None:
+        with torch.no_grad():
+            rows_q = slice(*cu_q[poison:poison + 2].tolist())
+            rows_k = slice(*cu_k[poison:poison + 2].tolist())
+            for t, rows in ((q, rows_q), (k, rows_k), (v, rows_k), (g, rows_q)):
+                t[rows] = float("nan")
+    out, lse = tileops.flash_attention_varlen(q, k, v, cu_q, cu_k, mq, mk, causal=causal,
+                                              return_lse=True)
+    h = torch.randn(lse.shape, generator=gen, device=device) * lse_weight
+    h = h.masked_fill(torch.isinf(lse), 0.0)
+    loss = (out.float() * g.float()).sum() + (lse.masked_fill(torch.isinf(lse), 0) * h).sum()
+    got = torch.autograd.grad(loss, (q, k, v))
+    ref = per_sequence_grads(q.detach(), k.detach(), v.detach(), cu_q, cu_k, g, causal,
+                             D ** -0.5, torch.float64, h if lse_weight else None)
+    return got, ref, (cu_q.tolist(), cu_k.tolist())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_varlen_nan_in_one_sequence_stays_there_backward(device):
+    """A tile's rows past its sequence are the next sequence's: a NaN among them must not reach
+    this sequence's gradients through a product with zero (0 * NaN)."""
+    got, ref, (cu_q, cu_k) = varlen_grads([70, 150, 60], [70, 150, 60], 4, 2, 64, False,
+                                          torch.bfloat16, torch.device(device), poison=1)
+    for g, r, cu in zip(got, ref, (cu_q, cu_k, cu_k), strict=True):
+        for a, b in ((cu[0], cu[1]), (cu[2], cu[3])):
+            assert not g[a:b].isnan().any() and rel_error(g[a:b], r[a:b]) < 1e-2
+        assert g[cu[1]:cu[2]].isnan().all()
+
+
+# ---- flash_attention_varlen on CUDA (sm_90) -------------------------------------------------------
+
+def test_sm90a_codegen_packed_backward():
+    """The packed main kernel: the dense one's products and reduce-add, the rows past a sequence
+    zeroed in K, Q and dO by the consumers, and dK, dV stored row by row; a fourth kernel zeroes
+    the gradients of the keys after the last sequence."""
+    problem = ATTENTION_VARLEN_BACKWARD.parse_exact("8192x2048x32x8x128:causal", "bfloat16")
+    config = ATTENTION_VARLEN_BACKWARD.default_config(problem, H200)
+    assert "hand schedules" in ATTENTION_VARLEN_BACKWARD.check_config(
+        problem, {**config, "overlap": 0}, H200)
+    src = matrix_source("attention_varlen_backward", "sm_90a")  # the default config's
+    kernels = src.split("extern \"C\" __global__")[5:]  # the four definitions
+    assert len(kernels) == 4
+    main = kernels[2]
+    producer = main[main.index("warpgroup_reg_dealloc<24>"):main.index("warpgroup_reg_alloc<240>")]
+    consumers = main[main.index("warpgroup_reg_alloc<240>"):]
+    assert producer.count("tma_store_add") == 2 and "wgmma" not in producer
+    assert consumers.count("wgmma_rs") and consumers.count("wgmma_ss")
+    assert consumers.count("__sync_thread_partial(10, 256)") == 6  # K, Q, dO: two barriers each
+    assert "tma_store" not in consumers and "dK + " in consumers  # row stores, not TMA
+    assert "sm_90" in ATTENTION_VARLEN_BACKWARD.unsupported_reason(A100)
+
+
+VARLEN_GPU_CASES = [  # (query lengths, key lengths, heads_q, heads_kv, head_dim, causal, dtype)
+    ([1000, 1, 129, 4097, 37], [1000, 1, 129, 4097, 37], 16, 4, 128, True, torch.bfloat16),
+    ([1000, 1, 129, 4097, 37], [1000, 1, 129, 4097, 37], 16, 4, 128, False, torch.float16),
+    ([333, 64, 1], [1337, 64, 50], 8, 2, 64, True, torch.bfloat16),  # fewer queries than keys
+    ([1337, 64, 0], [333, 0, 70], 8, 1, 128, True, torch.bfloat16),  # no key, no query: MQA
+]
+
+
 @pytest.mark.gpu
-def test_varlen_cuda_refuses_inputs_that_require_grad():
-    """No CUDA kernel for the packed backward yet: the forward says so, not the backward."""
-    q, k, v, cu_q, cu_k, mq, mk = packed([5, 7], [5, 7], 2, 2, 64, torch.bfloat16,
+@pytest.mark.parametrize(("lq", "lkv", "Hq", "Hkv", "D", "causal", "dtype"), VARLEN_GPU_CASES)
+def test_varlen_cuda_gradients_match_float64(lq, lkv, Hq, Hkv, D, causal, dtype):
+    got, ref, _ = varlen_grads(lq, lkv, Hq, Hkv, D, causal, dtype, torch.device("cuda"),
+                               spare_keys=5, lse_weight=0.5)
+    for name, g, r in zip(("dq", "dk", "dv"), got, ref, strict=True):
+        assert g.dtype is dtype and rel_error(g, r) < 2e-2, name
+    assert not got[1][-5:].any() and not got[2][-5:].any()  # the spare keys: zero gradients
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [
+    {"block_M": 64, "block_N": 128, "num_stages": 2, "threads": 256, "overlap": 2},
+    {"block_M": 64, "block_N": 128, "num_stages": 1, "threads": 256, "overlap": 1},
+    {"block_M": 64, "block_N": 64, "num_stages": 2, "threads": 128, "overlap": 2},
+])
+def test_varlen_cuda_configs_write_every_element(config):
+    """Each configuration into NaN-filled gradients, against the reference."""
+    cuda = torch.device("cuda")
+    problem = ATTENTION_VARLEN_BACKWARD.parse_exact("4096x2048x16x4x128:causal", "bfloat16")
+    inputs = ATTENTION_VARLEN_BACKWARD.make_inputs(problem, cuda, sizes={"tokens_q": 3001,
+                                                                          "tokens_kv": 3001})
+    call = ATTENTION_VARLEN_BACKWARD.prepare(*inputs)
+    kernel = dispatch.compile_kernel(ATTENTION_VARLEN_BACKWARD, call.problem, config,
+                                     tileops.target_of(cuda))
+    out = tuple(torch.full_like(t, float("nan")) for t in inputs[:3])
+    ATTENTION_VARLEN_BACKWARD.launch(kernel, call.args, out=out)
+    for g, r in zip(out, ATTENTION_VARLEN_BACKWARD.reference(inputs), strict=True):
+        assert not g.isnan().any() and rel_error(g, r) < 2e-2
+
+
+@pytest.mark.gpu
+def test_varlen_cuda_backward_graph_replays_new_lengths():
+    """The KV-block list is made on the device: a captured backward replays other lengths of
+    the same token count."""
+    cuda = torch.device("cuda")
+    q, k, v, cu, _, _, _ = (t.detach() if torch.is_tensor(t) else t for t in
+                            packed([1000, 24], [1000, 24], 8, 8, 128, torch.bfloat16, cuda))
+    g = torch.randn_like(q)
+    out, lse = tileops.flash_attention_varlen(q, k, v, cu, cu, 1024, 1024, causal=True,
+                                              return_lse=True)
+    call = ATTENTION_VARLEN_BACKWARD.prepare(q, k, v, cu, cu, 1024, 1024, out, g, lse,
+                                             causal=True)
+    target = tileops.target_of(cuda)
+    kernel = dispatch.compile_kernel(ATTENTION_VARLEN_BACKWARD, call.problem,
+                                     ATTENTION_VARLEN_BACKWARD.default_config(call.problem,
+                                                                              target), target)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grads = ATTENTION_VARLEN_BACKWARD.launch(kernel, call.args)
+    cu.copy_(torch.tensor([0, 300, 1024], dtype=torch.int32))
+    new_out, new_lse = tileops.flash_attention_varlen(q, k, v, cu, cu, 1024, 1024, causal=True,
+                                                      return_lse=True)
+    out.copy_(new_out)
+    lse.copy_(new_lse)
+    graph.replay()
+    ref = per_sequence_grads(q, k, v, cu, cu, g, True, 128 ** -0.5, torch.float64)
+    for name, a, r in zip(("dq", "dk", "dv"), grads, ref, strict=True):
+        assert rel_error(a, r) < 2e-2, name
+
+
+@pytest.mark.gpu
+def test_varlen_cuda_backward_matches_flash_attn_baseline():
+    cuda = torch.device("cuda")
+    problem = ATTENTION_VARLEN_BACKWARD.parse_exact("8192x2048x32x8x128:causal", "bfloat16")
+    inputs = ATTENTION_VARLEN_BACKWARD.make_inputs(problem, cuda, seed=1)
+    call = ATTENTION_VARLEN_BACKWARD.prepare(*inputs)
+    got = DISPATCHER(ATTENTION_VARLEN_BACKWARD, *inputs)
+    for g, b in zip(got, ATTENTION_VARLEN_BACKWARD.launch_baseline(call.args), strict=True):
+        assert rel_error(g, b) < 2e-2
+
+
+@pytest.mark.gpu
+def test_varlen_cuda_head_dim_256_backward_is_refused_clearly():
+    q, k, v, cu_q, cu_k, mq, mk = packed([50, 14], [50, 14], 2, 2, 256, torch.bfloat16,
                                          torch.device("cuda"))
-    with pytest.raises(RuntimeError, match="on cuda has no backward: q requires grad"):
-        tileops.flash_attention_varlen(q, k, v, cu_q, cu_k, mq, mk)
+    out = tileops.flash_attention_varlen(q, k, v, cu_q, cu_k, mq, mk)
+    with pytest.raises(NotImplementedError, match="head_dim 256 has no CUDA kernel"):
+        out.sum().backward()

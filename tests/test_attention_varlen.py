@@ -86,6 +86,22 @@ def test_tile_list_covers_every_block_once_heaviest_first():
         assert host == tiles[:len(real)]  # the same order, without the spare entries
 
 
+def test_key_tile_list_keeps_each_sequence_together_longest_queries_first():
+    """The backward's list: every KV block once, a sequence's blocks adjacent and in order, the
+    sequences with the most query blocks first."""
+    len_q, len_kv = [300, 1, 129, 0, 1000], [40, 200, 129, 70, 1000]
+    cu_q, cu_kv = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32)
+                   for n in (len_q, len_kv))
+    tiles = tile_list(cu_q, cu_kv, sum(len_kv) + 5, 128, 64, True, keys=True).tolist()
+    real = [(s, b) for s, b in tiles if b * 64 < len_kv[s]]
+    assert len(tiles) == (sum(len_kv) + 5 + len(len_q) * 63) // 64
+    assert tiles[:len(real)] == [list(t) for t in real]  # the spare entries last
+    want = [(s, b) for s in (4, 0, 2, 1, 3) for b in range(-(-len_kv[s] // 64))]
+    assert real == want
+    host = host_tile_list(cu_q.tolist(), cu_kv.tolist(), 128, 64, True, keys=True).tolist()
+    assert host == [list(t) for t in want]
+
+
 def test_ragged_lengths_sum_and_bound():
     for tokens, longest in ((32768, 16384), (1000, 7), (5, 100)):
         lengths = ragged_lengths(tokens, longest, seed=3)

@@ -61,7 +61,7 @@ MATRIX = {
     "attention":  (LOWERS, LOWERS,  LOWERS,  REFUSED, REFUSED),
     "attention_varlen": (LOWERS, REFUSED, REFUSED, REFUSED, REFUSED),  # TMA, async wgmma: sm_90
     "attention_backward": (LOWERS, REFUSED, REFUSED, REFUSED, REFUSED),  # TMA reduce-add: sm_90
-    "attention_varlen_backward": (REFUSED,) * 5,  # a CPU kernel only so far
+    "attention_varlen_backward": (LOWERS, REFUSED, REFUSED, REFUSED, REFUSED),
     "attention_paged": (LOWERS, REFUSED, REFUSED, REFUSED, REFUSED),
     "mla_decode": (LOWERS, REFUSED, REFUSED, REFUSED, REFUSED),
 }

@@ -11,8 +11,8 @@
 # OP SLICE: gemm decode (M = 1, 16), gemm m64, gemm prefill (M = 256 ... 8192), mxfp4_gemm decode
 # (M = 1 ... 64), mxfp4_gemm prefill (M = 256 ... 4096), mxfp4_gemm_packed decode (M = 1, 16:
 # the prepacked weight), mxfp4_gemm_packed m64, attention all (grid), attention_varlen all (grid),
-# attention_paged all (grid), attention_backward all (grid, over the attention suite), mla_decode
-# all (TPE): the whole suites; mla_decode seesaw: the suite over the seesaw schedule's points
+# attention_paged all (grid), attention_backward all (grid, over the attention suite),
+# attention_varlen_backward all (grid, over the attention_varlen suite), mla_decode all (TPE): the whole suites; mla_decode seesaw: the suite over the seesaw schedule's points
 # (after `all`: a record it does not beat stays). A stopped slice resumes where it stopped (the
 # Optuna journal beside $DB), and every run appends what it cost (trials, wall seconds by part:
 # GPU time, the machine being held throughout) to $REPORTS/OP-SLICE-DTYPE.jsonl, which
@@ -32,7 +32,8 @@ H200='{"kind": "cuda", "arch": "sm_90a", "device": "NVIDIA H200", "units": 132}'
 NK="6144x4096 4096x4096 28672x4096 4096x14336 10240x8192 8192x8192 57344x8192 8192x28672"
 SLICES="gemm:decode gemm:m64 gemm:prefill mxfp4_gemm:decode mxfp4_gemm:prefill
   mxfp4_gemm_packed:decode mxfp4_gemm_packed:m64 attention:all attention_varlen:all
-  attention_paged:all attention_backward:all mla_decode:all mla_decode:seesaw"
+  attention_paged:all attention_backward:all attention_varlen_backward:all mla_decode:all
+  mla_decode:seesaw"
 
 usage() { sed -n '2,22p' "$0"; exit 2; }
 
@@ -96,6 +97,9 @@ slice() {  # sets ms, space, sampler, trials, extra for OP SLICE
       # warpgroups, the hand schedules (64-key tiles or one warpgroup lose by 40%: NOTES.md)
       ms=""; dtype=bfloat16; suite=attention; space='{"block_M": [64, 128], "block_N": [128],
         "num_stages": [1, 2], "threads": [256], "overlap": [1, 2]}' ;;
+    attention_varlen_backward:all)  # the dense backward's slice over the packed suite
+      ms=""; dtype=bfloat16; suite=attention_varlen; space='{"block_M": [64, 128],
+        "block_N": [128], "num_stages": [1, 2], "threads": [256], "overlap": [1, 2]}' ;;
     mla_decode:all)  # the whole space, searched by TPE until it stops improving
       ms=""; dtype=bfloat16; sampler=tpe trials=24; extra=(--patience 8) ;;
     mla_decode:seesaw)  # two consumer warpgroups on alternate key blocks (threads 384), its

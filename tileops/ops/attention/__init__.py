@@ -169,8 +169,8 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     are as in `flash_attention`. CUDA needs sm_90.
 
     Returns the output like q and with `return_lse` the fp32 log-sum-exp (heads_q, tokens_q).
-    Differentiable on the CPU (the `attention_varlen_backward` kernel); on CUDA an input that
-    requires grad is refused, the packed backward having no CUDA kernel yet.
+    Differentiable (eager and compiled): the backward is the `attention_varlen_backward`
+    operator, on sm_90 for head_dim 64 and 128 and on the CPU.
 
     `validate` (the default) checks the offsets against the tensors and the max lengths, with one
     read of them back to the host, and raises a ValueError naming the bad entry. Inside CUDA-graph

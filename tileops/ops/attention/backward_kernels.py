@@ -29,7 +29,7 @@ import tilelang.language as T
 
 from ..common import ACCUM, LOG2E, bits, from_f32, to_f32
 from ..online_softmax import FAST_MATH  # noqa: F401 (FAST_MATH: spec.fast_math)
-from .kernels import _at, _visible
+from .kernels import _at, _rows, _visible, zero_rows_past
 
 DELTA_ROWS = 64  # query rows per program instance of the Delta and dQ kernels
 
@@ -54,9 +54,10 @@ _DS_BARRIER = 9
 
 @T.macro
 def _step(K_s, V_s, Q_s, dO_s, dS_s, dQ_s, lse, delta, lse_f, delta_f, S, dP, P, dS, dk, dv, dq,
-          dQ_acc, b, q_head, q0, k0, seqlen_q, seqlen_kv, causal: bool, scale: float,
-          consumers: int, handoff: bool):
-    """One query block of the main kernel: the five products and dQ's reduce-add.
+          dq_rows, q0, k0, seqlen_q, seqlen_kv, causal: bool, scale: float, consumers: int,
+          handoff: bool):
+    """One query block of the main kernel: the five products and dQ's reduce-add into dq_rows
+    (the block's rows of the accumulator).
 
     `consumers` 0: each product waits for itself (TileLang's warp specialisation). Otherwise the
     `consumers` threads of `_ws_schedule` issue the products asynchronously: dP^T = V dO^T runs
@@ -114,18 +115,20 @@ def _step(K_s, V_s, Q_s, dO_s, dS_s, dQ_s, lse, delta, lse_f, delta_f, S, dP, P,
         T.copy(dq, dQ_s)
         if handoff:
             T.fence_proxy_async()  # the generic-proxy stores, before the producer's TMA reads
-    T.atomic_add(dQ_acc[b, q_head, q0:q0 + S.shape[1], :], dQ_s, use_tma=True,
-                 annotations={T.WSID: "reduce_dq"})
+    T.atomic_add(dq_rows, dQ_s, use_tma=True, annotations={T.WSID: "reduce_dq"})
 
 
-# The consumers' part of a step up to dQ's tile, in every hand schedule.
-_CONSUMER_STEP = [T.WSSync.consumer_wait("q"), "s", T.WSSync.consumer_wait("do"), "dp", "p", "dv",
-                  "ds", "dk", "store_ds", "dq", T.WSSync.consumer_release("q"),
-                  T.WSSync.consumer_release("do")]
+# The consumers' part of a step up to dQ's tile, in every hand schedule; packed, each of Q and dO
+# has its rows past the sequence zeroed after its wait ("zero_q", "zero_do").
+def _consumer_step(packed: bool) -> list:
+    zero_q, zero_do = (["zero_q"], ["zero_do"]) if packed else ([], [])
+    return [T.WSSync.consumer_wait("q"), *zero_q, "s", T.WSSync.consumer_wait("do"), *zero_do,
+            "dp", "p", "dv", "ds", "dk", "store_ds", "dq", T.WSSync.consumer_release("q"),
+            T.WSSync.consumer_release("do")]
 
 
-def _ws_schedule(consumer_warps: int, K_s, V_s, Q_s, lse, dO_s, delta, dQ_s, num_stages: int,
-                 overlap: int):
+def _ws_schedule(consumer_warps: int, buffers: tuple, num_stages: int, overlap: int,
+                 packed: bool = False):
     """The main kernel warp-specialised by hand: a producer warp loads K and V once and each
     query block's Q, LSE, dO and Delta through `num_stages` buffers; each buffer goes back to it
     only after the wait that ends its last product (TileLang's automatic warp specialisation
@@ -133,22 +136,27 @@ def _ws_schedule(consumer_warps: int, K_s, V_s, Q_s, lse, dO_s, delta, dQ_s, num
 
     `overlap` 2: the consumers only write each block's dQ tile into one of two buffers, and the
     producer issues its reduce-add a step later (and waits for it to leave shared memory), so
-    that no consumer waits for the reduce."""
+    that no consumer waits for the reduce. `packed`: both roles first read the tile's bounds,
+    and the consumers zero the rows of K ("zero_k") and of each Q and dO block ("zero_q",
+    "zero_do") that lie past the sequence."""
+    K_s, V_s, Q_s, dO_s, _, dQ_s, lse, delta = buffers[:8]
+    consumer_step = _consumer_step(packed)
     if overlap == 2:
         steps = {"Producer": [T.WSSync.producer_acquire("q"), "load_q", "load_lse",
                               T.WSSync.producer_commit("q"), T.WSSync.producer_acquire("do"),
                               "load_do", "load_delta", T.WSSync.producer_commit("do"),
                               T.WSSync.consumer_wait("dq", stage=1), "reduce_dq",
                               T.WSSync.consumer_release("dq", stage=1)],
-                 "Consumer": [*_CONSUMER_STEP, T.WSSync.producer_acquire("dq"), "store_dq",
+                 "Consumer": [*consumer_step, T.WSSync.producer_acquire("dq"), "store_dq",
                               T.WSSync.producer_commit("dq")]}
         handoff = [T.WSPipeline("dq", [dQ_s], depth=2)]
     else:
         steps = {"Producer": [T.WSSync.producer_acquire("q"), "load_q", "load_lse",
                               T.WSSync.producer_commit("q"), T.WSSync.producer_acquire("do"),
                               "load_do", "load_delta", T.WSSync.producer_commit("do")],
-                 "Consumer": [*_CONSUMER_STEP, "store_dq", "reduce_dq"]}
+                 "Consumer": [*consumer_step, "store_dq", "reduce_dq"]}
         handoff = []
+    bounds = ["bounds"] if packed else []
     return T.WSSchedule(
         num_warps=4 + consumer_warps,
         roles=[T.WSRole("Producer", warps_lo=0, warps_hi=1, max_nreg=24),
@@ -159,9 +167,10 @@ def _ws_schedule(consumer_warps: int, K_s, V_s, Q_s, lse, dO_s, delta, dQ_s, num
         scopes=[
             T.WSScope("steps", steps),
             T.WSScope(T.WSScope.ROOT, {
-                "Producer": [T.WSSync.producer_acquire("kv"), "load_k", "load_v",
+                "Producer": [*bounds, T.WSSync.producer_acquire("kv"), "load_k", "load_v",
                              T.WSSync.producer_commit("kv"), "steps"],
-                "Consumer": ["init", T.WSSync.consumer_wait("kv"), "steps", "final",
+                "Consumer": [*bounds, "init", T.WSSync.consumer_wait("kv"),
+                             *(["zero_k"] if packed else []), "steps", "final",
                              T.WSSync.consumer_release("kv")],
             }),
         ])
@@ -183,6 +192,130 @@ def _dense_shapes(lang, heads_q: int, heads_kv: int, D: int) -> tuple:
     return ((batch, seqlen_q, heads_q, D), (batch, seqlen_kv, heads_kv, D),
             (batch, heads_q, seqlen_q), (batch, heads_q, lang.dynamic("rows")),
             (batch, heads_q, seqlen_q, D))
+
+
+def _stat_rows(buf, b, head, start, stop):
+    """Rows start:stop of one head's statistics (LSE2, Delta): (batch, heads, rows) dense,
+    (heads, rows) packed (b None)."""
+    return buf[head, start:stop] if b is None else buf[b, head, start:stop]
+
+
+def _acc_rows(buf, b, head, start, stop):
+    """Rows start:stop of one head of the dQ accumulator: (batch, heads, rows, head_dim) dense,
+    (heads, rows, head_dim) packed (b None)."""
+    return buf[head, start:stop, :] if b is None else buf[b, head, start:stop, :]
+
+
+@T.macro
+def _row_stats(O, dO, LSE, dLSE, LSE2, Delta, dQ_acc, b, head, r0, seqlen_q, dtype: str):
+    """The first kernel's work for DELTA_ROWS query rows of one head from r0: Delta and the
+    log2 log-sum-exp into the workspaces, the rows of the dQ accumulator zeroed."""
+    D = O.shape[-1]
+    o = T.alloc_fragment((DELTA_ROWS, D), dtype)
+    do = T.alloc_fragment((DELTA_ROWS, D), dtype)
+    prod = T.alloc_fragment((DELTA_ROWS, D), ACCUM)
+    delta = T.alloc_fragment((DELTA_ROWS,), ACCUM)
+    T.copy(_rows(O, b, r0, r0 + DELTA_ROWS, head), o)
+    T.copy(_rows(dO, b, r0, r0 + DELTA_ROWS, head), do)
+    for i, d in T.Parallel(DELTA_ROWS, D):
+        prod[i, d] = T.cast(o[i, d], ACCUM) * T.cast(do[i, d], ACCUM)
+    T.reduce_sum(prod, delta, dim=1)
+    for i in T.Parallel(DELTA_ROWS):
+        if r0 + i < seqlen_q:
+            if b is None:
+                Delta[head, r0 + i] = delta[i] - dLSE[head, r0 + i]
+                LSE2[head, r0 + i] = LSE[head, r0 + i] * LOG2E
+            else:
+                Delta[b, head, r0 + i] = delta[i] - dLSE[b, head, r0 + i]
+                LSE2[b, head, r0 + i] = LSE[b, head, r0 + i] * LOG2E
+    T.clear(prod)
+    T.copy(prod, _acc_rows(dQ_acc, b, head, r0, r0 + DELTA_ROWS))
+
+
+@T.macro
+def _dq_rows_out(dQ_acc, dQ, b, head, r0, dtype: str):
+    """The last kernel's work: DELTA_ROWS rows of one head's dQ from the accumulator."""
+    acc = T.alloc_fragment((DELTA_ROWS, dQ.shape[-1]), ACCUM)
+    out = T.alloc_fragment((DELTA_ROWS, dQ.shape[-1]), dtype)
+    T.copy(_acc_rows(dQ_acc, b, head, r0, r0 + DELTA_ROWS), acc)
+    T.copy(acc, out)
+    T.copy(out, _rows(dQ, b, r0, r0 + DELTA_ROWS, head))
+
+
+def _main_buffers(block_M: int, block_N: int, D: int, dtype: str) -> tuple:
+    """The main kernel's buffers. Shared: K, V, Q, dO, dS^T, dQ's fp32 tile, LSE, Delta.
+    Registers: S^T (then P^T), dP^T, P^T and dS^T in the dtype, the dK, dV and dQ accumulators,
+    and a thread's LSE and Delta columns."""
+    return (T.alloc_shared((block_N, D), dtype), T.alloc_shared((block_N, D), dtype),
+            T.alloc_shared((block_M, D), dtype), T.alloc_shared((block_M, D), dtype),
+            T.alloc_shared((block_N, block_M), dtype), T.alloc_shared((block_M, D), ACCUM),
+            T.alloc_shared((block_M,), ACCUM), T.alloc_shared((block_M,), ACCUM),
+            T.alloc_fragment((block_N, block_M), ACCUM),
+            T.alloc_fragment((block_N, block_M), ACCUM),
+            T.alloc_fragment((block_N, block_M), dtype), T.alloc_fragment((block_N, block_M), dtype),
+            T.alloc_fragment((block_N, D), ACCUM), T.alloc_fragment((block_N, D), ACCUM),
+            T.alloc_fragment((block_M, D), ACCUM), T.alloc_fragment((block_M,), ACCUM),
+            T.alloc_fragment((block_M,), ACCUM))
+
+
+@T.macro
+def _kv_tile(Q, K, V, dO, LSE2, Delta, dQ_acc, dK, dV, buffers, b, kv_head, q_row0, kv_row0, k0,
+             first, steps, seqlen_q, seqlen_kv, causal: bool, scale: float, group: int,
+             num_stages: int, consumers: int, overlap: int):
+    """The main kernel's work for keys k0:k0 + block_N of one KV head: their dK and dV over
+    `steps` query blocks from block `first` of each of the group's query heads, each block's dQ
+    reduce-added into the accumulator. A dense batch entry b, or a packed sequence (b None) whose
+    query and key rows start at q_row0 and kv_row0; `consumers`: the hand schedule's consumer
+    threads, 0 for TileLang's own (overlap 0, dense only).
+
+    Packed, a tile's rows past the sequence are the next sequence's, not the zeros TMA reads past
+    a tensor: the consumers zero them in K (once) and in Q and dO (the sequence's last query
+    block) before any product reads them, since 0 * NaN would carry a neighbour's NaN into dK, dV
+    or dQ; and dK and dV are stored row by row, only the sequence's own."""
+    (K_s, V_s, Q_s, dO_s, dS_s, dQ_s, lse, delta, S, dP, P, dS, dk, dv, dq, lse_f,
+     delta_f) = buffers
+    block_M = Q_s.shape[0]
+    T.copy(_rows(K, b, kv_row0 + k0, kv_row0 + k0 + K_s.shape[0], kv_head), K_s,
+           annotations={T.WSID: "load_k"})
+    T.copy(_rows(V, b, kv_row0 + k0, kv_row0 + k0 + K_s.shape[0], kv_head), V_s,
+           annotations={T.WSID: "load_v"})
+    with T.ws_op("init"):
+        T.clear(dk)
+        T.clear(dv)
+    if b is None:
+        with T.ws_op("zero_k"):
+            zero_rows_past(K_s, k0, seqlen_kv, consumers)
+    for it in T.Pipelined(group * steps, num_stages=num_stages, annotations={T.WSID: "steps"}):
+        q_head = kv_head * group + it // steps
+        q0 = (first + it % steps) * block_M
+        T.copy(_rows(Q, b, q_row0 + q0, q_row0 + q0 + block_M, q_head), Q_s,
+               annotations={T.WSID: "load_q"})
+        T.copy(_stat_rows(LSE2, b, q_head, q_row0 + q0, q_row0 + q0 + block_M), lse,
+               annotations={T.WSID: "load_lse"})
+        T.copy(_rows(dO, b, q_row0 + q0, q_row0 + q0 + block_M, q_head), dO_s,
+               annotations={T.WSID: "load_do"})
+        T.copy(_stat_rows(Delta, b, q_head, q_row0 + q0, q_row0 + q0 + block_M), delta,
+               annotations={T.WSID: "load_delta"})
+        if b is None:
+            with T.ws_op("zero_q"):
+                zero_rows_past(Q_s, q0, seqlen_q, consumers)
+            with T.ws_op("zero_do"):
+                zero_rows_past(dO_s, q0, seqlen_q, consumers)
+        _step(K_s, V_s, Q_s, dO_s, dS_s, dQ_s, lse, delta, lse_f, delta_f, S, dP, P, dS, dk, dv,
+              dq, _acc_rows(dQ_acc, b, q_head, q_row0 + q0, q_row0 + q0 + block_M), q0, k0,
+              seqlen_q, seqlen_kv, causal, scale, consumers, overlap == 2)
+    with T.ws_op("final"):
+        # K and V are read no more: their tiles stage dK and dV for the stores.
+        T.copy(dk, K_s)
+        T.copy(dv, V_s)
+        if b is None:
+            for i, d in T.Parallel(K_s.shape[0], K_s.shape[1]):
+                if k0 + i < seqlen_kv:
+                    dK[kv_row0 + k0 + i, kv_head, d] = K_s[i, d]
+                    dV[kv_row0 + k0 + i, kv_head, d] = V_s[i, d]
+        else:
+            T.copy(K_s, dK[b, k0:k0 + K_s.shape[0], kv_head, :])
+            T.copy(V_s, dV[b, k0:k0 + K_s.shape[0], kv_head, :])
 
 
 def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype: str, *,
@@ -208,84 +341,97 @@ def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
                            dV: T.Tensor(kv_shape, dtype)):
         with T.Kernel(T.ceildiv(seqlen_q, DELTA_ROWS), heads_q, batch, threads=128) as (
                 bx, head, b):
-            o = T.alloc_fragment((DELTA_ROWS, D), dtype)
-            do = T.alloc_fragment((DELTA_ROWS, D), dtype)
-            prod = T.alloc_fragment((DELTA_ROWS, D), ACCUM)
-            delta = T.alloc_fragment((DELTA_ROWS,), ACCUM)
             r0 = bx * DELTA_ROWS
-            T.copy(O[b, r0:r0 + DELTA_ROWS, head, :], o)
-            T.copy(dO[b, r0:r0 + DELTA_ROWS, head, :], do)
-            for i, d in T.Parallel(DELTA_ROWS, D):
-                prod[i, d] = T.cast(o[i, d], ACCUM) * T.cast(do[i, d], ACCUM)
-            T.reduce_sum(prod, delta, dim=1)
-            for i in T.Parallel(DELTA_ROWS):
-                if r0 + i < seqlen_q:
-                    Delta[b, head, r0 + i] = delta[i] - dLSE[b, head, r0 + i]
-                    LSE2[b, head, r0 + i] = LSE[b, head, r0 + i] * LOG2E
-            T.clear(prod)
-            T.copy(prod, dQ_acc[b, head, r0:r0 + DELTA_ROWS, :])
+            _row_stats(O, dO, LSE, dLSE, LSE2, Delta, dQ_acc, b, head, r0, seqlen_q, dtype)
 
         with T.Kernel(T.ceildiv(seqlen_kv, block_N), heads_kv, batch, threads=threads) as (
                 bx, kv_head, b):
-            K_s = T.alloc_shared((block_N, D), dtype)
-            V_s = T.alloc_shared((block_N, D), dtype)
-            Q_s = T.alloc_shared((block_M, D), dtype)
-            dO_s = T.alloc_shared((block_M, D), dtype)
-            dS_s = T.alloc_shared((block_N, block_M), dtype)
-            dQ_s = T.alloc_shared((block_M, D), ACCUM)
-            lse = T.alloc_shared((block_M,), ACCUM)
-            delta = T.alloc_shared((block_M,), ACCUM)
-            S = T.alloc_fragment((block_N, block_M), ACCUM)  # S^T, then P^T
-            dP = T.alloc_fragment((block_N, block_M), ACCUM)  # dP^T
-            P = T.alloc_fragment((block_N, block_M), dtype)
-            dS = T.alloc_fragment((block_N, block_M), dtype)
-            dk = T.alloc_fragment((block_N, D), ACCUM)
-            dv = T.alloc_fragment((block_N, D), ACCUM)
-            dq = T.alloc_fragment((block_M, D), ACCUM)
-            lse_f = T.alloc_fragment((block_M,), ACCUM)
-            delta_f = T.alloc_fragment((block_M,), ACCUM)
+            buffers = _main_buffers(block_M, block_N, D, dtype)
             if overlap:
-                T.annotate_ws_schedule(_ws_schedule(threads // 32, K_s, V_s, Q_s, lse, dO_s,
-                                                    delta, dQ_s, num_stages, overlap))
+                T.annotate_ws_schedule(_ws_schedule(threads // 32, buffers, num_stages, overlap))
             k0 = bx * block_N
             first = _first_query(k0, block_M, seqlen_q, seqlen_kv, causal)
             steps = T.ceildiv(seqlen_q, block_M) - first  # >= 1: the last query sees every key
-            T.copy(K[b, k0:k0 + block_N, kv_head, :], K_s, annotations={T.WSID: "load_k"})
-            T.copy(V[b, k0:k0 + block_N, kv_head, :], V_s, annotations={T.WSID: "load_v"})
-            with T.ws_op("init"):
-                T.clear(dk)
-                T.clear(dv)
-            for it in T.Pipelined(group * steps, num_stages=num_stages,
-                                  annotations={T.WSID: "steps"}):
-                q_head = kv_head * group + it // steps
-                q0 = (first + it % steps) * block_M
-                T.copy(Q[b, q0:q0 + block_M, q_head, :], Q_s, annotations={T.WSID: "load_q"})
-                T.copy(LSE2[b, q_head, q0:q0 + block_M], lse,
-                       annotations={T.WSID: "load_lse"})
-                T.copy(dO[b, q0:q0 + block_M, q_head, :], dO_s,
-                       annotations={T.WSID: "load_do"})
-                T.copy(Delta[b, q_head, q0:q0 + block_M], delta,
-                       annotations={T.WSID: "load_delta"})
-                _step(K_s, V_s, Q_s, dO_s, dS_s, dQ_s, lse, delta, lse_f, delta_f, S, dP, P, dS,
-                      dk, dv, dq, dQ_acc, b, q_head, q0, k0, seqlen_q, seqlen_kv, causal, scale,
-                      threads if overlap else 0, overlap == 2)
-            with T.ws_op("final"):
-                # K and V are read no more: their tiles stage dK and dV for the stores.
-                T.copy(dk, K_s)
-                T.copy(dv, V_s)
-                T.copy(K_s, dK[b, k0:k0 + block_N, kv_head, :])
-                T.copy(V_s, dV[b, k0:k0 + block_N, kv_head, :])
+            _kv_tile(Q, K, V, dO, LSE2, Delta, dQ_acc, dK, dV, buffers, b, kv_head, 0, 0, k0,
+                     first, steps, seqlen_q, seqlen_kv, causal, scale, group, num_stages,
+                     threads if overlap else 0, overlap)
 
         with T.Kernel(T.ceildiv(seqlen_q, DELTA_ROWS), heads_q, batch, threads=128) as (
                 bx, head, b):
-            acc = T.alloc_fragment((DELTA_ROWS, D), ACCUM)
-            out = T.alloc_fragment((DELTA_ROWS, D), dtype)
             r0 = bx * DELTA_ROWS
-            T.copy(dQ_acc[b, head, r0:r0 + DELTA_ROWS, :], acc)
-            T.copy(acc, out)
-            T.copy(out, dQ[b, r0:r0 + DELTA_ROWS, head, :])
+            _dq_rows_out(dQ_acc, dQ, b, head, r0, dtype)
 
     return attention_backward
+
+
+def ragged_gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype: str, *,
+                       block_M: int, block_N: int, num_stages: int, threads: int,
+                       overlap: int = 2):
+    """`gpu_program` over a packed batch (`cpu_ragged_program`'s layout), its main kernel run
+    over `Tiles`, the (sequence, KV block) list of `varlen.tile_list(..., keys=True)`: each
+    entry's KV heads are one after another in the grid, a head's entries adjacent (they read the
+    same query rows). Offsets are clamped into the tensors as the forward clamps them; an entry
+    past its sequence (or of a sequence without queries) runs one masked query block and stores
+    nothing, or zeros. A fourth kernel zeroes dK and dV of the key rows after the last sequence.
+    The hand schedules only (`overlap` 1 or 2): the zeroing of rows past a sequence is a step of
+    theirs."""
+    tokens_q, tokens_kv = T.dynamic("tokens_q"), T.dynamic("tokens_kv")
+    n_offsets, n_entries = T.dynamic("n_offsets"), T.dynamic("n_entries")
+    group = heads_q // heads_kv
+    D = head_dim
+    scale = D ** -0.5
+    q_shape = (tokens_q, heads_q, D)
+    kv_shape = (tokens_kv, heads_kv, D)
+    rows = (heads_q, tokens_q)
+    stats = (heads_q, T.dynamic("rows"))
+
+    @T.prim_func
+    def attention_varlen_backward(
+            Q: T.Tensor(q_shape, dtype), K: T.Tensor(kv_shape, dtype),
+            V: T.Tensor(kv_shape, dtype), CuQ: T.Tensor((n_offsets,), "int32"),
+            CuKV: T.Tensor((n_offsets,), "int32"), Tiles: T.Tensor((n_entries, 2), "int32"),
+            O: T.Tensor(q_shape, dtype), dO: T.Tensor(q_shape, dtype),
+            LSE: T.Tensor(rows, ACCUM), dLSE: T.Tensor(rows, ACCUM),
+            LSE2: T.Tensor(stats, ACCUM), Delta: T.Tensor(stats, ACCUM),
+            dQ_acc: T.Tensor((heads_q, tokens_q, D), ACCUM), dQ: T.Tensor(q_shape, dtype),
+            dK: T.Tensor(kv_shape, dtype), dV: T.Tensor(kv_shape, dtype)):
+        with T.Kernel(T.ceildiv(tokens_q, DELTA_ROWS), heads_q, threads=128) as (bx, head):
+            _row_stats(O, dO, LSE, dLSE, LSE2, Delta, dQ_acc, None, head, bx * DELTA_ROWS,
+                       tokens_q, dtype)
+
+        with T.Kernel(T.ceildiv(tokens_kv, DELTA_ROWS), heads_kv, threads=128) as (bx, head):
+            end = T.min(T.max(CuKV[n_offsets - 1], 0), tokens_kv)
+            for i, d in T.Parallel(DELTA_ROWS, D):
+                if T.And(bx * DELTA_ROWS + i >= end, bx * DELTA_ROWS + i < tokens_kv):
+                    dK[bx * DELTA_ROWS + i, head, d] = T.cast(0, dtype)
+                    dV[bx * DELTA_ROWS + i, head, d] = T.cast(0, dtype)
+
+        with T.Kernel(n_entries * heads_kv, threads=threads) as item:
+            buffers = _main_buffers(block_M, block_N, D, dtype)
+            T.annotate_ws_schedule(_ws_schedule(threads // 32, buffers, num_stages, overlap,
+                                                packed=True))
+            with T.ws_op("bounds"):
+                entry = item % n_entries
+                kv_head = item // n_entries
+                seq = Tiles[entry, 0]
+                k0 = Tiles[entry, 1] * block_N
+                q_row0 = T.min(CuQ[seq], tokens_q)
+                seqlen_q = T.min(T.max(CuQ[seq + 1], q_row0), tokens_q) - q_row0
+                kv_row0 = T.min(CuKV[seq], tokens_kv)
+                seqlen_kv = T.min(T.max(CuKV[seq + 1], kv_row0), tokens_kv) - kv_row0
+                first = T.if_then_else(
+                    k0 < seqlen_kv, _first_query(k0, block_M, seqlen_q, seqlen_kv, causal), 0)
+                # One masked block at least (an entry past its sequence, a sequence without
+                # queries): the pipeliner's first iteration is then unconditional.
+                steps = T.max(T.ceildiv(seqlen_q, block_M) - first, 1)
+            _kv_tile(Q, K, V, dO, LSE2, Delta, dQ_acc, dK, dV, buffers, None, kv_head, q_row0,
+                     kv_row0, k0, first, steps, seqlen_q, seqlen_kv, causal, scale, group,
+                     num_stages, threads, overlap)
+
+        with T.Kernel(T.ceildiv(tokens_q, DELTA_ROWS), heads_q, threads=128) as (bx, head):
+            _dq_rows_out(dQ_acc, dQ, None, head, bx * DELTA_ROWS, dtype)
+
+    return attention_varlen_backward
 
 
 def _stat(buf, b, head, row):
@@ -419,9 +565,11 @@ def cpu_ragged_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool,
     dq (tokens_q, heads_q, head_dim), k, v, dk, dv (tokens_kv, heads_kv, head_dim), LSE and dLSE
     (heads_q, tokens_q), the workspaces without a batch dimension), sequence i at rows
     CuQ[i]:CuQ[i + 1] and CuKV[i]:CuKV[i + 1], each offset clamped into the tensors as the
-    forward clamps it. Key rows no sequence holds get zero gradients."""
+    forward clamps it. The main kernel runs the (sequence, KV block) entries of `Tiles` as
+    `ragged_gpu_program` does, so the list is checked wherever this runs. Key rows no sequence
+    holds get zero gradients."""
     tokens_q, tokens_kv = TC.dynamic("tokens_q"), TC.dynamic("tokens_kv")
-    n_offsets = TC.dynamic("n_offsets")
+    n_offsets, n_entries = TC.dynamic("n_offsets"), TC.dynamic("n_entries")
     group = heads_q // heads_kv
     D = head_dim
     q_shape = (tokens_q, heads_q, D)
@@ -434,7 +582,8 @@ def cpu_ragged_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool,
     def attention_varlen_backward(
             Q: TC.Tensor(q_shape, io), K: TC.Tensor(kv_shape, io), V: TC.Tensor(kv_shape, io),
             CuQ: TC.Tensor((n_offsets,), "int32"), CuKV: TC.Tensor((n_offsets,), "int32"),
-            O: TC.Tensor(q_shape, io), dO: TC.Tensor(q_shape, io), LSE: TC.Tensor(rows, ACCUM),
+            Tiles: TC.Tensor((n_entries, 2), "int32"), O: TC.Tensor(q_shape, io),
+            dO: TC.Tensor(q_shape, io), LSE: TC.Tensor(rows, ACCUM),
             dLSE: TC.Tensor(rows, ACCUM), LSE2: TC.Tensor(stats, ACCUM),
             Delta: TC.Tensor(stats, ACCUM), dQ_acc: TC.Tensor((heads_q, tokens_q, D), ACCUM),
             dQ: TC.Tensor(q_shape, io), dK: TC.Tensor(kv_shape, io),
@@ -445,15 +594,16 @@ def cpu_ragged_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool,
             for d in TC.serial(D):  # +0.0 is all zero bits in each dtype (bf16 too)
                 dK[row, kv_head, d] = TC.cast(0, io)
                 dV[row, kv_head, d] = TC.cast(0, io)
-        with TC.Kernel(n_offsets - 1, heads_kv) as (seq, kv_head):
+        with TC.Kernel(n_entries, heads_kv) as (entry, kv_head):
+            seq = Tiles[entry, 0]
+            k0 = Tiles[entry, 1] * block_N
             q_row0 = TC.min(CuQ[seq], tokens_q)
             kv_row0 = TC.min(CuKV[seq], tokens_kv)
             len_q = TC.min(TC.max(CuQ[seq + 1], q_row0), tokens_q) - q_row0
             len_kv = TC.min(TC.max(CuKV[seq + 1], kv_row0), tokens_kv) - kv_row0
-            for kb in TC.serial(TC.ceildiv(len_kv, block_N)):
+            if k0 < len_kv:
                 _cpu_kv_block(Q, K, V, dO, LSE2, Delta, dQ_acc, dK, dV, None, kv_head, q_row0,
-                              kv_row0, kb * block_N, len_q, len_kv, causal, dtype, block_M,
-                              block_N, group)
+                              kv_row0, k0, len_q, len_kv, causal, dtype, block_M, block_N, group)
         with TC.Kernel(tokens_q, heads_q) as (row, head):
             for d in TC.serial(D):
                 dQ[row, head, d] = from_f32(dQ_acc[head, row, d], dtype)

@@ -296,6 +296,23 @@ _ZERO_TAIL_BARRIER = 10
 
 
 @T.macro
+def zero_rows_past(A, start, length, threads: int):
+    """Zero the rows of shared tile A that hold positions start + j >= length, when any does:
+    the rows a TMA load took past a sequence's end, which are another sequence's rows or stale
+    cache rows, not the zeros it reads past a tensor. Run by the `threads` consumer threads of a
+    hand-written schedule, after the tile's wait and before a wgmma reads it. Every earlier read
+    of the tile has ended (the producer refilled it); the first barrier only keeps TileLang from
+    putting one before the branch, in every block."""
+    if start + A.shape[0] > length:
+        T.sync_threads(_ZERO_TAIL_BARRIER, threads)
+        for j, d in T.Parallel(A.shape[0], A.shape[1]):
+            if start + j >= length:
+                A[j, d] = 0
+        T.fence_proxy_async()  # the generic-proxy stores, before wgmma reads the tile
+        T.sync_threads(_ZERO_TAIL_BARRIER, threads)
+
+
+@T.macro
 def _ws_overlap_tile(Q, K, V, O, LSE, buffers, b, head, kv_block, q_row0, q0, seqlen_q,
                      seqlen_kv, n_blocks, n_full, causal: bool, scale, num_stages: int,
                      zero_tail: int = 0):
@@ -328,16 +345,7 @@ def _ws_overlap_tile(Q, K, V, O, LSE, buffers, b, head, kv_block, q_row0, q0, se
             # At V's stage, kb is the block whose V this P V multiplies (the materialised loop
             # runs it a block behind Q K^T, and the epilogue for the last block).
             with T.ws_op("zero_v"):
-                if (kb + 1) * block_N > seqlen_kv:
-                    # Every read of this V buffer ended before the producer refilled it; the
-                    # barrier here only keeps TileLang from putting one before the branch, in
-                    # every block.
-                    T.sync_threads(_ZERO_TAIL_BARRIER, zero_tail)
-                    for j, d in T.Parallel(block_N, V_s.shape[1]):
-                        if kb * block_N + j >= seqlen_kv:
-                            V_s[j, d] = 0
-                    T.fence_proxy_async()  # the generic-proxy stores, before wgmma reads V_s
-                    T.sync_threads(_ZERO_TAIL_BARRIER, zero_tail)
+                zero_rows_past(V_s, kb * block_N, seqlen_kv, zero_tail)
         T.wgmma_gemm(P, V_s, acc, policy=T.GemmWarpPolicy.FullRow,
                      annotations={T.WSID: "pv"})
         with T.ws_op("wait_qk"):  # P V of kb - 1 goes on (none is in flight at kb 0)

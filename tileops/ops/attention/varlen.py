@@ -70,53 +70,65 @@ class VarlenArgs(NamedTuple):
     offsets: tuple[list[int], list[int]] | None  # the offsets on the host, where validated
 
 
-def tile_list(cu_q: torch.Tensor, cu_kv: torch.Tensor, tokens_q: int, block_M: int,
-              block_N: int, causal: bool) -> torch.Tensor:
-    """(entries, 2) int32 (sequence, query block) pairs for `kernels.ragged_program`, the
-    heaviest block (most KV blocks) first; made on the offsets' device with no read back to the
-    host (CUDA-graph capture may record it).
+def tile_list(cu_q: torch.Tensor, cu_kv: torch.Tensor, tokens: int, block_M: int,
+              block_N: int, causal: bool, keys: bool = False) -> torch.Tensor:
+    """(entries, 2) int32 (sequence, block) pairs in the order the packed kernels run them, made
+    on the offsets' device with no read back to the host (CUDA-graph capture may record it).
+
+    The forward's list (`kernels.ragged_program`) holds query blocks, the heaviest (most KV
+    blocks) first; `tokens` is tokens_q. With `keys` it is the backward's
+    (`backward_kernels.ragged_gpu_program`): KV blocks of tokens_kv = `tokens` rows, the
+    sequences with the most query blocks first and each one's KV blocks together in order, since
+    they all read the same query rows (L2) and under the causal mask the first is the heaviest.
 
     The host does not know the lengths, so the list has room for the most blocks any lengths
-    summing to tokens_q could need: (tokens_q + batch * (block_M - 1)) // block_M. The entries no
-    sequence takes point past their sequence's end and run one masked KV block each."""
+    summing to `tokens` could need: (tokens + batch * (block - 1)) // block. The entries no
+    sequence takes point past their sequence's end (`_PAST`) and write nothing."""
     batch = cu_q.numel() - 1
-    n = (tokens_q + batch * (block_M - 1)) // block_M
-    cu_q, cu_kv = cu_q.long(), cu_kv.long()
-    len_q = (cu_q[1:] - cu_q[:-1]).clamp(min=0)
-    len_kv = (cu_kv[1:] - cu_kv[:-1]).clamp(min=0)
-    blocks = (len_q + block_M - 1) // block_M
+    len_q = (cu_q[1:].long() - cu_q[:-1].long()).clamp(min=0)
+    len_kv = (cu_kv[1:].long() - cu_kv[:-1].long()).clamp(min=0)
+    block = block_N if keys else block_M
+    blocks = -(-(len_kv if keys else len_q) // block)
     ends = torch.cumsum(blocks, 0)
-    t = torch.arange(n, device=cu_q.device)
+    t = torch.arange((tokens + batch * (block - 1)) // block, device=cu_q.device)
     seq = torch.searchsorted(ends, t, right=True)
     past = seq >= batch
     seq = seq.clamp(max=batch - 1)
-    block = t - (ends[seq] - blocks[seq])
-    kv_blocks = (len_kv[seq] + block_N - 1) // block_N
-    if causal:  # the block's last query sees keys below (block + 1) * block_M + len_kv - len_q
-        last = ((block + 1) * block_M + len_kv[seq] - len_q[seq]).clamp(min=0)
-        kv_blocks = torch.minimum(kv_blocks, (last + block_N - 1) // block_N)
-    work = torch.where(past, -1, kv_blocks)
-    order = torch.argsort(work, descending=True, stable=True)
-    return torch.stack([seq, torch.where(past, _PAST, block)], 1)[order].to(torch.int32)
+    index = t - (ends[seq] - blocks[seq])
+    work = _work(index, len_q[seq], len_kv[seq], block_M, block_N, causal, keys, torch)
+    order = torch.argsort(torch.where(past, -1, work), descending=True, stable=True)
+    return torch.stack([seq, torch.where(past, _PAST, index)], 1)[order].to(torch.int32)
 
 
 def host_tile_list(offsets_q: list[int], offsets_kv: list[int], block_M: int, block_N: int,
-                   causal: bool) -> torch.Tensor:
+                   causal: bool, keys: bool = False) -> torch.Tensor:
     """`tile_list` from offsets the host holds (validated ones): the same order, made on the
     CPU (numpy: a few microseconds where a Python loop over the tiles took hundreds) and without
     the entries no sequence takes."""
-    cu_q, cu_kv = np.asarray(offsets_q, dtype=np.int64), np.asarray(offsets_kv, dtype=np.int64)
-    len_q, len_kv = np.diff(cu_q), np.diff(cu_kv)
-    blocks = -(-len_q // block_M)
+    len_q = np.diff(np.asarray(offsets_q, dtype=np.int64))
+    len_kv = np.diff(np.asarray(offsets_kv, dtype=np.int64))
+    block = block_N if keys else block_M
+    blocks = -(-(len_kv if keys else len_q) // block)
     seq = np.repeat(np.arange(len(blocks)), blocks)
-    block = np.arange(len(seq)) - np.repeat(np.cumsum(blocks) - blocks, blocks)
-    kv_blocks = -(-len_kv[seq] // block_N)
-    if causal:
-        last = np.maximum((block + 1) * block_M + len_kv[seq] - len_q[seq], 0)
-        kv_blocks = np.minimum(kv_blocks, -(-last // block_N))
-    order = np.argsort(-kv_blocks, kind="stable")
-    tiles = np.stack([seq, block], 1)[order] if len(seq) else np.array([[0, _PAST]])
+    index = np.arange(len(seq)) - np.repeat(np.cumsum(blocks) - blocks, blocks)
+    work = _work(index, len_q[seq], len_kv[seq], block_M, block_N, causal, keys, np)
+    order = np.argsort(-work, kind="stable")
+    tiles = np.stack([seq, index], 1)[order] if len(seq) else np.array([[0, _PAST]])
     return torch.from_numpy(tiles.astype(np.int32))
+
+
+def _work(index: Any, len_q: Any, len_kv: Any, block_M: int, block_N: int, causal: bool,
+          keys: bool, xp: Any) -> Any:
+    """The sort key of a list's entries (`xp`: torch or numpy, elementwise). Query blocks: the KV
+    blocks each visits. KV blocks: their sequence's query blocks, the same for all of a
+    sequence's entries, so that a stable sort keeps them together and in order."""
+    if keys:
+        return -(-len_q // block_M)
+    kv_blocks = -(-len_kv // block_N)
+    if causal:  # the block's last query sees keys below (index + 1) * block_M + len_kv - len_q
+        last = xp.clip((index + 1) * block_M + len_kv - len_q, 0, None)
+        kv_blocks = xp.minimum(kv_blocks, -(-last // block_N))
+    return kv_blocks
 
 
 class TiledKernel:

@@ -8,8 +8,12 @@ sequence holds. The offsets are not read back: the forward validated them (or wa
 and the kernel clamps them into the tensors as the forward's does. A `softmax_scale` other than
 1/sqrt(head_dim) is folded into q as the forward folds it.
 
-There is a CPU kernel only so far (`backward_kernels.cpu_ragged_program`); the baseline is the
-dense gradients (`backward.attention_grads`) of each sequence in the inputs' dtype.
+The kernels run over the (sequence, KV block) list of `varlen.tile_list(..., keys=True)`, made
+on the device each call (no read back: capturable). On CUDA (sm_90) the kernel is the dense
+backward's (`backward_kernels.ragged_gpu_program`: its hand schedules, head_dim 64 and 128),
+and the baseline flash-attn 2's varlen backward as torch ships it, on the statistics of its own
+forward (made once per call's arguments); on the CPU the baseline is the dense gradients
+(`backward.attention_grads`) of each sequence in the inputs' dtype.
 """
 
 from __future__ import annotations
@@ -19,13 +23,57 @@ from typing import Any
 
 import torch
 
-from ...spec import Backend, Call, check_scale, pow2_bucket
-from ..host import DTYPE_NAMES, DTYPE_SIZES, BitsAdapter, dtype_name
+from ...spec import Backend, Call, Config, check_scale, pow2_bucket
+from ...target import Target
+from ..host import DTYPE_NAMES, DTYPE_SIZES, BitsAdapter, Once, dtype_name
 from . import backward_kernels
-from .backward import attention_grads
-from .varlen import AttentionVarlenSpec, VarlenProblem, _per_sequence
+from .backward import CUDA_HEAD_DIMS, attention_grads
+from .backward import _check_cuda as _check_dense_cuda
+from .varlen import (
+    _NOT_HOPPER,
+    AttentionVarlenSpec,
+    TiledKernel,
+    VarlenProblem,
+    _per_sequence,
+    _tiled,
+    tile_list,
+)
 
 _WHO = "flash_attention_varlen backward"
+
+
+def _gpu_program(*key: Any, block_M: int, block_N: int, **config: Any) -> Any:
+    return _tiled(backward_kernels.ragged_gpu_program(*key, block_M=block_M, block_N=block_N,
+                                                      **config), block_M, block_N)
+
+
+def _cpu_program(*key: Any, block_M: int, block_N: int) -> Any:
+    return _tiled(backward_kernels.cpu_ragged_program(*key, block_M=block_M, block_N=block_N),
+                  block_M, block_N)
+
+
+def _check_cuda(problem: VarlenProblem, config: Config, target: Target) -> str | None:
+    """The dense backward's limits (sm_90, head_dim, shared memory, registers, wgmma rows), and
+    a hand schedule: the zeroing of rows past a sequence is a step of theirs."""
+    if config.get("overlap", 0) not in (1, 2):
+        return "the packed backward runs the hand schedules only (overlap 1 or 2)"
+    return _check_dense_cuda(problem, config, target)
+
+
+class FlashVarlenBackward(Once):
+    """The CUDA baseline: flash-attn 2's varlen backward (`aten._flash_attention_backward`) on
+    the output, log-sum-exp and RNG state of its own varlen forward, made once per call's
+    arguments."""
+
+    __slots__ = ()
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+            cu_k: torch.Tensor, max_q: int, max_k: int, grad_out: torch.Tensor,
+            causal: bool) -> tuple[torch.Tensor, ...]:
+        out, lse, seed, offset, _ = self.get(lambda: torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False))
+        return torch.ops.aten._flash_attention_backward(
+            grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, seed, offset)
 
 
 class AttentionVarlenBackwardSpec(AttentionVarlenSpec):
@@ -34,13 +82,15 @@ class AttentionVarlenBackwardSpec(AttentionVarlenSpec):
     function = ("torch.autograd.grad(tileops.flash_attention_varlen(q, k, v, cu_seqlens_q, "
                 "cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, "
                 "softmax_scale=None), (q, k, v), grad)")
-    baseline_name = "dense attention gradients of each sequence (torch)"
+    baseline_name = ("flash-attn 2 varlen backward (torch's SDPA flash backend); on the CPU the "
+                     "dense gradients of each sequence (torch)")
     kernel_module = backward_kernels.__name__
-    backends = {"cpu": Backend(backward_kernels.cpu_ragged_program, BitsAdapter)}
+    backends = {"cpu": Backend(_cpu_program, lambda k: TiledKernel(k, BitsAdapter(k))),
+                "cuda": Backend(_gpu_program, TiledKernel, check=_check_cuda)}
     products = 5  # S, dP, dV, dK, dQ (FlashAttention's count: 2.5x the forward's FLOPs)
     unsupported = {"metal": f"{_WHO} has no Metal kernel",
                    "hip": f"{_WHO} has no HIP kernel",
-                   "cuda": f"{_WHO} has no CUDA kernel yet (the dense flash_attention has one)"}
+                   **{f"cuda:sm_{major}": _NOT_HOPPER for major in (5, 6, 7, 8, 1)}}
 
     def prepare(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
@@ -50,8 +100,11 @@ class AttentionVarlenBackwardSpec(AttentionVarlenSpec):
         self._check_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         self._check_results(q, out, grad_out, lse, grad_lse)
         (Tq, Hq, D), (Tk, Hkv, _) = q.shape, k.shape
+        if q.is_cuda and D not in CUDA_HEAD_DIMS:
+            raise NotImplementedError(f"{_WHO}: head_dim {D} has no CUDA kernel yet (allowed: "
+                                      f"{', '.join(map(str, CUDA_HEAD_DIMS))}); the forward "
+                                      "runs it, so call it under torch.no_grad()")
         q, k, v, out, grad_out, lse = (t.contiguous() for t in (q, k, v, out, grad_out, lse))
-        grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse.float().contiguous()
         ratio = 1.0
         if softmax_scale is not None and softmax_scale != D ** -0.5:
             ratio = check_scale(softmax_scale, _WHO) * D ** 0.5
@@ -59,8 +112,12 @@ class AttentionVarlenBackwardSpec(AttentionVarlenSpec):
         problem = VarlenProblem(pow2_bucket(Tq), pow2_bucket(Tk), pow2_bucket(max_seqlen_q),
                                 pow2_bucket(max_seqlen_k), Hq, Hkv, D, bool(causal),
                                 DTYPE_NAMES[q.dtype])
-        return Call(q.device, problem, (q, k, v, cu_seqlens_q, cu_seqlens_k, out, grad_out, lse,
-                                        grad_lse, bool(causal), ratio))
+        # flash-attn's backward takes no gradient of the log-sum-exp
+        flash = FlashVarlenBackward() if q.is_cuda and grad_lse is None else None
+        grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse.float().contiguous()
+        return Call(q.device, problem, (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                        max_seqlen_k, out, grad_out, lse, grad_lse,
+                                        bool(causal), ratio, flash))
 
     @staticmethod
     def _check_results(q: torch.Tensor, out: Any, grad_out: Any, lse: Any, grad_lse: Any) -> None:
@@ -84,22 +141,29 @@ class AttentionVarlenBackwardSpec(AttentionVarlenSpec):
             raise TypeError(f"{_WHO}: lse must be float32 (the forward's), got "
                             f"{dtype_name(lse.dtype)}")
 
-    def launch(self, kernel, args: tuple, out: tuple | None = None) -> tuple[torch.Tensor, ...]:
-        """Run the kernel; `out`, when given, is the triple (dq, dk, dv) of buffers to write."""
-        q, k, v, cu_q, cu_k, o, grad_out, lse, grad_lse, _, ratio = args
+    def launch(self, kernel: TiledKernel, args: tuple,
+               out: tuple | None = None) -> tuple[torch.Tensor, ...]:
+        """Run the kernel on a KV-block list made for its tile sizes; `out`, when given, is the
+        triple (dq, dk, dv) of buffers to write."""
+        q, k, v, cu_q, cu_k, _, _, o, grad_out, lse, grad_lse, causal, ratio, _ = args
         if out is None:
             out = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
         Tq, Hq, D = q.shape
-        rows = -(-Tq // 4) * 4  # the dense kernel's 16-byte rows, kept for one launch layout
+        rows = -(-Tq // 4) * 4  # 16-byte rows for the statistics' TMA loads
         lse2, delta = torch.empty((2, Hq, rows), dtype=torch.float32, device=q.device)
         dq_acc = torch.empty((Hq, Tq, D), dtype=torch.float32, device=q.device)
-        kernel(q, k, v, cu_q, cu_k, o, grad_out, lse, grad_lse, lse2, delta, dq_acc, *out)
+        tiles = tile_list(cu_q, cu_k, k.shape[0], kernel.block_M, kernel.block_N, causal,
+                          keys=True)
+        kernel(q, k, v, cu_q, cu_k, tiles, o, grad_out, lse, grad_lse, lse2, delta, dq_acc, *out)
         if ratio != 1.0:
             out[0].mul_(ratio)
         return out
 
     def launch_baseline(self, args: tuple) -> tuple[torch.Tensor, ...]:
-        q, k, v, cu_q, cu_k, _, grad_out, _, grad_lse, causal, ratio = args
+        q, k, v, cu_q, cu_k, max_q, max_k, _, grad_out, _, grad_lse, causal, ratio, flash = args
+        if flash is not None:
+            dq, dk, dv = flash.run(q, k, v, cu_q, cu_k, max_q, max_k, grad_out, causal)
+            return (dq * ratio if ratio != 1.0 else dq), dk, dv
         dq, dk, dv = per_sequence_grads(q, k, v, cu_q, cu_k, grad_out, causal,
                                         q.shape[2] ** -0.5, torch.float32, grad_lse)
         return (dq * ratio).to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
