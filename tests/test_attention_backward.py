@@ -277,11 +277,14 @@ def test_varlen_backward_refuses_bad_results():
 
 
 def varlen_grads(lq, lkv, Hq, Hkv, D, causal, dtype, device, spare_keys=0, lse_weight=0.0,
-                 poison=None):
+                 poison=None, host_offsets=False):
     """Autograd's (dq, dk, dv) of sum(out * g) + lse_weight * sum(lse * h) for packed leaves,
-    and the float64 reference's. `poison`: a sequence whose q, k, v and g rows are set to NaN."""
+    and the float64 reference's. `poison`: a sequence whose q, k, v and g rows are set to NaN;
+    `host_offsets`: the offsets passed on the CPU."""
     q, k, v, cu_q, cu_k, mq, mk = packed(lq, lkv, Hq, Hkv, D, dtype, device, spare_keys,
                                          seed=sum(lq))
+    if host_offsets:
+        cu_q, cu_k = cu_q.cpu(), cu_k.cpu()
     gen = torch.Generator(device=device).manual_seed(1)
     g = torch.randn(q.shape, generator=gen, device=device).to(dtype)
     if poison is not None:
@@ -345,10 +348,12 @@ VARLEN_GPU_CASES = [  # (query lengths, key lengths, heads_q, heads_kv, head_dim
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("host_offsets", [False, True])
 @pytest.mark.parametrize(("lq", "lkv", "Hq", "Hkv", "D", "causal", "dtype"), VARLEN_GPU_CASES)
-def test_varlen_cuda_gradients_match_float64(lq, lkv, Hq, Hkv, D, causal, dtype):
+def test_varlen_cuda_gradients_match_float64(lq, lkv, Hq, Hkv, D, causal, dtype, host_offsets):
+    """Offsets on the GPU (the KV-block list made there) or on the host (made there)."""
     got, ref, _ = varlen_grads(lq, lkv, Hq, Hkv, D, causal, dtype, torch.device("cuda"),
-                               spare_keys=5, lse_weight=0.5)
+                               spare_keys=5, lse_weight=0.5, host_offsets=host_offsets)
     for name, g, r in zip(("dq", "dk", "dv"), got, ref, strict=True):
         assert g.dtype is dtype and rel_error(g, r) < 2e-2, name
     assert not got[1][-5:].any() and not got[2][-5:].any()  # the spare keys: zero gradients

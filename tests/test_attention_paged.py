@@ -114,6 +114,8 @@ def test_paged_refuses_bad_arguments():
                                              vc, lens, table)
     with pytest.raises(TypeError, match="must match"):
         tileops.flash_attention_with_kvcache(q.double(), kc, vc, lens, table)
+    with pytest.raises(ValueError, match="both on it or on the CPU"):
+        tileops.flash_attention_with_kvcache(q, kc, vc, lens, table.to("meta"))
     with pytest.raises(RuntimeError, match="has no backward"):
         tileops.flash_attention_with_kvcache(q.requires_grad_(), kc, vc, lens, table)
 
@@ -194,6 +196,31 @@ def test_paged_cuda_graph_replays_new_lengths_and_pages():
     with pytest.raises(RuntimeError, match="CUDA-graph capture forbids"), \
             torch.cuda.graph(torch.cuda.CUDAGraph()):
         tileops.flash_attention_with_kvcache(q, kc, vc, lens, table)
+
+
+@pytest.mark.gpu
+def test_paged_cuda_lengths_and_table_on_the_host_need_no_read_back():
+    """cache_seqlens and block_table on the CPU: checked there, copied over without waiting for
+    the GPU (torch's sync debug mode raises on any wait), the same output; refused in capture."""
+    cuda = torch.device("cuda")
+    q, kc, vc, lens, table = inputs(3, 500, [4097, 1000, 700], 16, 4, 128, 256, torch.bfloat16,
+                                    cuda)
+    want = tileops.flash_attention_with_kvcache(q, kc, vc, lens, table)
+    host = (lens.cpu(), table.cpu().pin_memory())
+    tileops.flash_attention_with_kvcache(q, kc, vc, *host)  # warm: the record, the kernel
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = tileops.flash_attention_with_kvcache(q, kc, vc, *host)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got, want)
+    bad = host[1].clone()
+    bad[2, 0] = kc.shape[0]
+    with pytest.raises(ValueError, match=r"block_table\[2, 0\]"):
+        tileops.flash_attention_with_kvcache(q, kc, vc, host[0], bad)
+    with pytest.raises(RuntimeError, match="cannot be captured"), \
+            torch.cuda.graph(torch.cuda.CUDAGraph()):
+        tileops.flash_attention_with_kvcache(q, kc, vc, *host, validate=False)
 
 
 @pytest.mark.gpu

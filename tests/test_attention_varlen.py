@@ -138,6 +138,8 @@ def test_varlen_refuses_bad_arguments():
         tileops.flash_attention_varlen(q[None], k, v, cu_q, cu_k, mq, mk)
     with pytest.raises(ValueError, match="max_seqlen_q must be an int"):
         tileops.flash_attention_varlen(q, k, v, cu_q, cu_k, 0, mk)
+    with pytest.raises(ValueError, match="both offsets on it or on the CPU"):
+        tileops.flash_attention_varlen(q, k, v, cu_q, cu_k.to("meta"), mq, mk)
 
 
 def test_varlen_bad_offsets_unvalidated_stay_inside_the_tensors():
@@ -222,6 +224,31 @@ def test_varlen_cuda_graph_replays_new_lengths():
     with pytest.raises(RuntimeError, match="CUDA-graph capture forbids"), \
             torch.cuda.graph(torch.cuda.CUDAGraph()):
         tileops.flash_attention_varlen(q, k, v, cu, cu, 1024, 1024)
+
+
+@pytest.mark.gpu
+def test_varlen_cuda_offsets_on_the_host_need_no_read_back():
+    """Offsets on the CPU: validated there, the tile list made there, both copied over without
+    waiting for the GPU (torch's sync debug mode raises on any wait); the same output; refused
+    in capture."""
+    cuda = torch.device("cuda")
+    q, k, v, cu_q, cu_k, mq, mk = inputs(ODD, ODD, 16, 4, 128, torch.bfloat16, cuda)
+    want = tileops.flash_attention_varlen(q, k, v, cu_q, cu_k, mq, mk, causal=True)
+    host = (cu_q.cpu().pin_memory(), cu_k.cpu())
+    tileops.flash_attention_varlen(q, k, v, *host, mq, mk, causal=True)  # warm
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = tileops.flash_attention_varlen(q, k, v, *host, mq, mk, causal=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got, want)
+    bad = host[0].clone()
+    bad[1] = bad[2] + 1
+    with pytest.raises(ValueError, match="must not decrease"):
+        tileops.flash_attention_varlen(q, k, v, bad, host[1], mq, mk)
+    with pytest.raises(RuntimeError, match="cannot be captured"), \
+            torch.cuda.graph(torch.cuda.CUDAGraph()):
+        tileops.flash_attention_varlen(q, k, v, *host, mq, mk, validate=False)
 
 
 @pytest.mark.gpu

@@ -45,7 +45,7 @@ def _toml(op: str) -> dict:
 # every cuda default depend on the problem (M, head_dim, batch), as GEMM's cpu default does.
 CONSTANT = {"gemm": {"hip", "metal"}, "mxfp4_gemm": {"metal"}, "mxfp4_gemm_packed": set(),
             "attention": {"hip", "cpu"}, "attention_backward": {"cuda", "cpu"},
-            "attention_varlen": {"cpu"}, "attention_varlen_backward": {"cpu"},
+            "attention_varlen": {"cpu"}, "attention_varlen_backward": {"cuda", "cpu"},
             "attention_paged": {"cpu"}, "mla_decode": {"cpu"}}
 _SUITES = {"gemm": "gemm_llama", "mxfp4_gemm": "mxfp4_llama", "mxfp4_gemm_packed": "mxfp4_llama",
            "attention": "attention", "attention_backward": "attention",

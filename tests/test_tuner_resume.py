@@ -48,10 +48,16 @@ def counted(db: Path) -> list[optuna.trial.FrozenTrial]:
             and studies.REPEAT_OF not in t.user_attrs]
 
 
+def _default_sigint() -> None:
+    """Ctrl-C's default action in a child: a shell that starts a job in the background ignores
+    SIGINT for it, and Python then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(db: Path, *extra: str) -> subprocess.Popen:
     args = [sys.executable, "-m", "tileops.tuner", "tune", *command(db, *extra)]
     return subprocess.Popen(args, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
 
 
 def wait_for_complete(db: Path, n: int, proc: subprocess.Popen, limit: float = 180) -> None:
@@ -185,8 +191,14 @@ def test_ctrl_c_while_asking_leaves_an_owned_trial_that_is_given_back(monkeypatc
         return trial
 
     monkeypatch.setattr(study, "ask", ask_then_ctrl_c)
-    with pytest.raises(KeyboardInterrupt):
-        studies.ask(study, SPACE)
+    # Python raises KeyboardInterrupt only from its own handler, which it does not install when
+    # started with SIGINT ignored (a shell's background job).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            studies.ask(study, SPACE)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     (trial,) = study.get_trials(deepcopy=False)
     assert trial.state == TrialState.RUNNING  # held until its owner and configuration were written
     assert trial.user_attrs[studies.OWNER] == studies.owner_id() and studies.in_space(trial.params,

@@ -40,6 +40,24 @@ class Once(Generic[V]):
         return self._value
 
 
+def index_to(device: torch.device, who: str, **tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Index tensors (offsets, lengths, page tables) for a call on `device`, which a caller may
+    give on the host: there they are checked with no read back from the GPU, and copied over
+    without waiting for it (a pinned buffer through a copy of its own first, since its
+    asynchronous copy would read whatever the caller writes into it next). Under CUDA-graph
+    capture a copy from the host cannot be recorded, so there they must be on the device."""
+    out = []
+    for name, t in tensors.items():
+        if t.device != device:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"{who}: {name} is on the host; inside CUDA-graph capture "
+                                   f"pass it on {device} (a copy from the host cannot be "
+                                   "captured)")
+            t = (t.clone() if t.is_pinned() else t).to(device, non_blocking=True)
+        out.append(t)
+    return out
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """"bfloat16" for torch.bfloat16, and a readable name for dtypes outside the table."""
     return DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))

@@ -162,7 +162,8 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     q: (tokens_q, heads_q, head_dim), sequence i at rows cu_seqlens_q[i]:cu_seqlens_q[i + 1];
     k, v: (tokens_kv, heads_kv, head_dim) by cu_seqlens_k. The offsets are int32 tensors of
-    batch + 1 entries on q's device, starting at 0; cu_seqlens_q must end at tokens_q (every
+    batch + 1 entries, both on q's device or both on the CPU (a serving engine that builds them
+    there saves the validation's read back), starting at 0; cu_seqlens_q must end at tokens_q (every
     output row belongs to a sequence), cu_seqlens_k at most at tokens_kv. max_seqlen_q and
     max_seqlen_k bound the lengths (they choose the tuning record). Heads, head_dim, dtypes,
     `causal` (bottom-right aligned in each sequence), `softmax_scale` and rows that see no key
@@ -172,10 +173,12 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Differentiable (eager and compiled): the backward is the `attention_varlen_backward`
     operator, on sm_90 for head_dim 64 and 128 and on the CPU.
 
-    `validate` (the default) checks the offsets against the tensors and the max lengths, with one
-    read of them back to the host, and raises a ValueError naming the bad entry. Inside CUDA-graph
-    capture pass validate=False: the kernel clamps every offset to the tensors, so bad offsets
-    give wrong rows but read and write nothing outside them.
+    `validate` (the default) checks the offsets against the tensors and the max lengths and
+    raises a ValueError naming the bad entry; offsets on the GPU are read back to the host for
+    it, which waits for the GPU, offsets on the CPU are checked there and copied over without
+    waiting. Inside CUDA-graph capture pass the offsets on the GPU and validate=False: the kernel
+    clamps every offset to the tensors, so bad offsets give wrong rows but read and write nothing
+    outside them.
     """
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
             softmax_scale, validate)
@@ -212,7 +215,8 @@ def flash_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     q: (batch, seqlen_q, heads_q, head_dim). k_cache, v_cache: (num_pages, page_size, heads_kv,
     head_dim), contiguous; sequence b's key j is row j % page_size of page
     block_table[b, j // page_size]. cache_seqlens: (batch,) int32 keys per sequence (the new
-    tokens' keys already written); block_table: (batch, pages per sequence) int32. On CUDA (sm_90)
+    tokens' keys already written); block_table: (batch, pages per sequence) int32; both on q's
+    device or both on the CPU (checked there, no read back). On CUDA (sm_90)
     page_size is a multiple of 64. Heads, head_dim, dtypes, `softmax_scale` and rows that see no
     key are as in `flash_attention`; `causal` (the default, as chunked prefill needs) aligns the
     mask bottom-right: query i sees keys j <= i + cache_seqlens[b] - seqlen_q.
@@ -221,8 +225,9 @@ def flash_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     seqlen_q). Cache rows past a sequence's length are never used, whatever they hold.
 
     `validate` (the default) checks every length against its table row and every page a
-    sequence uses against the cache, with one read of the result back to the host, and raises a
-    ValueError naming the bad entry. Inside CUDA-graph capture pass validate=False: the kernel
+    sequence uses against the cache, with one read of them back to the host where they are on
+    the GPU, and raises a ValueError naming the bad entry. Inside CUDA-graph capture pass them on
+    the GPU and validate=False: the kernel
     clamps lengths and page ids, so bad ones give wrong rows but read and write nothing outside
     the tensors.
     """

@@ -421,9 +421,10 @@ def ragged_gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool,
                 seqlen_kv = T.min(T.max(CuKV[seq + 1], kv_row0), tokens_kv) - kv_row0
                 first = T.if_then_else(
                     k0 < seqlen_kv, _first_query(k0, block_M, seqlen_q, seqlen_kv, causal), 0)
-                # One masked block at least (an entry past its sequence, a sequence without
-                # queries): the pipeliner's first iteration is then unconditional.
-                steps = T.max(T.ceildiv(seqlen_q, block_M) - first, 1)
+                # One masked block for an entry past its sequence or a sequence without queries
+                # (the pipeliner's first iteration is then unconditional).
+                steps = T.if_then_else(
+                    k0 < seqlen_kv, T.max(T.ceildiv(seqlen_q, block_M) - first, 1), 1)
             _kv_tile(Q, K, V, dO, LSE2, Delta, dQ_acc, dK, dV, buffers, None, kv_head, q_row0,
                      kv_row0, k0, first, steps, seqlen_q, seqlen_kv, causal, scale, group,
                      num_stages, threads, overlap)

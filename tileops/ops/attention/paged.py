@@ -35,7 +35,7 @@ import torch
 from ... import autotune
 from ...spec import Backend, Call, Config, OpSpec, Space, check_scale, pow2_bucket, refuse_grad
 from ...target import Target
-from ..host import DTYPE_NAMES, DTYPE_SIZES, DTYPES, BitsAdapter, Once, dtype_name
+from ..host import DTYPE_NAMES, DTYPE_SIZES, DTYPES, BitsAdapter, Once, dtype_name, index_to
 from . import kernels
 from .spec import ATTENTION, HEAD_DIMS, _attention, _check_gpu, _visible_pairs
 
@@ -120,8 +120,8 @@ _NOT_HOPPER = (f"{_WHO} runs the warp-specialised schedule of sm_90 (TMA and asy
 
 def _check_cache(lengths: torch.Tensor, table: torch.Tensor, page_size: int, pages: int) -> None:
     """The strict check of `validate`, with one read of the lengths and the table back to the
-    host: every length within what its table row addresses, every page a sequence uses inside
-    the cache."""
+    host (none when the caller gives them there): every length within what its table row
+    addresses, every page a sequence uses inside the cache."""
     if autotune.capturing(lengths.device):
         raise RuntimeError(f"{_WHO}: validate=True reads cache_seqlens and block_table back to "
                            "the host, which CUDA-graph capture forbids; validate outside the "
@@ -171,6 +171,8 @@ class AttentionPagedSpec(OpSpec):
         block_table = block_table if block_table.is_contiguous() else block_table.contiguous()
         if validate:
             _check_cache(cache_seqlens, block_table, page, pages)
+        cache_seqlens, block_table = index_to(q.device, _WHO, cache_seqlens=cache_seqlens,
+                                              block_table=block_table)
         q = q if q.is_contiguous() else q.contiguous()
         if softmax_scale is not None and softmax_scale != D ** -0.5:
             q = q * (check_scale(softmax_scale, _WHO) * D ** 0.5)
@@ -207,10 +209,11 @@ class AttentionPagedSpec(OpSpec):
             raise TypeError(f"{_WHO}: {dtype_name(q.dtype)} on {q.device.type} is not supported "
                             f"(CUDA: {', '.join(SUPPORTED['cuda'])}; CPU: "
                             f"{', '.join(SUPPORTED['cpu'])})")
-        if not all(t.device == q.device for t in tensors.values()):
-            raise ValueError(f"{_WHO}: q, the caches, cache_seqlens and block_table must be on "
-                             "one device; got " + ", ".join(str(t.device)
-                                                            for t in tensors.values()))
+        if not (q.device == k_cache.device == v_cache.device and lengths.device == table.device
+                and lengths.device in (q.device, torch.device("cpu"))):
+            raise ValueError(f"{_WHO}: q and the caches must be on one device, cache_seqlens and "
+                             "block_table both on it or on the CPU; got "
+                             + ", ".join(str(t.device) for t in tensors.values()))
         if q.is_cuda and page % CUDA_PAGE:
             raise ValueError(f"{_WHO}: on CUDA page_size must be a multiple of {CUDA_PAGE} (a "
                              f"page holds whole KV blocks); k_cache has pages of {page}")
@@ -264,12 +267,15 @@ class AttentionPagedSpec(OpSpec):
 
     def reported_beside(self, args: PagedArgs) -> dict[str, Any]:
         """The call with validate=False: no read of the lengths and the table (what a CUDA
-        graph replays)."""
+        graph replays); and validated with them on the host (checked there, no read back)."""
         from ...dispatch import DISPATCHER
 
+        host = (args.cache_seqlens.cpu(), args.block_table.cpu())
         return {"validate=False": lambda: DISPATCHER(self, args.q, args.k_cache, args.v_cache,
                                                      args.cache_seqlens, args.block_table,
-                                                     args.causal, None, False)}
+                                                     args.causal, None, False),
+                "host lengths": lambda: DISPATCHER(self, args.q, args.k_cache, args.v_cache,
+                                                   *host, args.causal)}
 
     # ---- inputs, reference, roofline ------------------------------------------------------------
     def make_inputs(self, problem: PagedProblem, device: torch.device, seed: int = 0,

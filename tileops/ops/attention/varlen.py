@@ -37,13 +37,14 @@ import torch
 from ... import autotune
 from ...spec import Backend, Call, Config, OpSpec, Space, check_scale, pow2_bucket, refuse_grad
 from ...target import Target
-from ..host import DTYPE_NAMES, DTYPE_SIZES, DTYPES, BitsAdapter, dtype_name, units
+from ..host import DTYPE_NAMES, DTYPE_SIZES, DTYPES, BitsAdapter, dtype_name, index_to, units
 from . import kernels
 from .spec import HEAD_DIMS, _attention, _check_gpu, _visible_pairs
 
 SUPPORTED = {"cuda": ("float16", "bfloat16"), "cpu": ("float32", "float16", "bfloat16")}
 _ACCEPTED = {(DTYPES[name], kind == "cuda") for kind, names in SUPPORTED.items() for name in names}
 _PAST = 1 << 20  # the block index of a tile-list entry past its sequence (writes nothing)
+CPU = torch.device("cpu")
 
 
 class VarlenProblem(NamedTuple):
@@ -225,8 +226,8 @@ def _offsets(lengths: list[int], device: torch.device) -> torch.Tensor:
 
 def _check_offsets(cu_q: torch.Tensor, cu_k: torch.Tensor, tokens_q: int, tokens_kv: int,
                    max_q: int, max_k: int) -> tuple[list[int], list[int]]:
-    """The strict check of `validate`: one read of both offset tensors back to the host; the
-    offsets read."""
+    """The strict check of `validate`: one read of both offset tensors back to the host (none
+    when the caller gives them there); the offsets read."""
     if autotune.capturing(cu_q.device):
         raise RuntimeError("flash_attention_varlen: validate=True reads cu_seqlens back to the "
                            "host, which CUDA-graph capture forbids; validate outside the graph, "
@@ -284,6 +285,8 @@ class AttentionVarlenSpec(OpSpec):
         (Tq, Hq, D), (Tk, Hkv, _) = q.shape, k.shape
         offsets = (_check_offsets(cu_seqlens_q, cu_seqlens_k, Tq, Tk, max_seqlen_q, max_seqlen_k)
                    if validate else None)
+        cu_seqlens_q, cu_seqlens_k = index_to(q.device, "flash_attention_varlen",
+                                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
         q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))
         if softmax_scale is not None and softmax_scale != D ** -0.5:
             q = q * (check_scale(softmax_scale, "flash_attention_varlen") * D ** 0.5)
@@ -330,9 +333,10 @@ class AttentionVarlenSpec(OpSpec):
         if cu_q.numel() != cu_k.numel():
             raise ValueError(f"{who}: cu_seqlens_q and cu_seqlens_k give {cu_q.numel() - 1} and "
                              f"{cu_k.numel() - 1} sequences")
-        if not all(t.device == q.device for t in tensors.values()):
-            raise ValueError(f"{who}: q, k, v and the offsets must be on one device; got "
-                             + ", ".join(str(t.device) for t in tensors.values()))
+        if not (q.device == k.device == v.device and cu_q.device == cu_k.device
+                and cu_q.device in (q.device, CPU)):
+            raise ValueError(f"{who}: q, k and v must be on one device, both offsets on it or on "
+                             "the CPU; got " + ", ".join(str(t.device) for t in tensors.values()))
         for name, n in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"{who}: {name} must be an int >= 1, got {n!r}")
@@ -385,12 +389,15 @@ class AttentionVarlenSpec(OpSpec):
 
     def reported_beside(self, args: VarlenArgs) -> dict[str, Any]:
         """The call with validate=False: no read of the offsets, the tile list made on the
-        device (what a CUDA graph replays)."""
+        device (what a CUDA graph replays); and validated with the offsets on the host (checked
+        and the tile list made there, no read back)."""
         from ...dispatch import DISPATCHER
 
         q, k, v, cu_q, cu_k, max_q, max_k, causal, _ = args
+        host = (cu_q.cpu(), cu_k.cpu())
         return {"validate=False": lambda: DISPATCHER(self, q, k, v, cu_q, cu_k, max_q, max_k,
-                                                     causal, None, False)}
+                                                     causal, None, False),
+                "host offsets": lambda: DISPATCHER(self, q, k, v, *host, max_q, max_k, causal)}
 
     # ---- inputs, reference, roofline ------------------------------------------------------------
     def make_inputs(self, problem: VarlenProblem, device: torch.device, seed: int = 0,

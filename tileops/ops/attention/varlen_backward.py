@@ -9,11 +9,12 @@ and the kernel clamps them into the tensors as the forward's does. A `softmax_sc
 1/sqrt(head_dim) is folded into q as the forward folds it.
 
 The kernels run over the (sequence, KV block) list of `varlen.tile_list(..., keys=True)`, made
-on the device each call (no read back: capturable). On CUDA (sm_90) the kernel is the dense
-backward's (`backward_kernels.ragged_gpu_program`: its hand schedules, head_dim 64 and 128),
-and the baseline flash-attn 2's varlen backward as torch ships it, on the statistics of its own
-forward (made once per call's arguments); on the CPU the baseline is the dense gradients
-(`backward.attention_grads`) of each sequence in the inputs' dtype.
+on the device each call (no read back: capturable), or on the host from offsets given there. On
+CUDA (sm_90) the kernel is the dense backward's (`backward_kernels.ragged_gpu_program`: its hand
+schedules, head_dim 64 and 128), and the baseline flash-attn 2's varlen backward as torch ships
+it, on the statistics of its own forward (made once per call's arguments); on the CPU the
+baseline is the dense gradients (`backward.attention_grads`) of each sequence in the inputs'
+dtype.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 
 from ...spec import Backend, Call, Config, check_scale, pow2_bucket
 from ...target import Target
-from ..host import DTYPE_NAMES, DTYPE_SIZES, BitsAdapter, Once, dtype_name
+from ..host import DTYPE_NAMES, DTYPE_SIZES, BitsAdapter, Once, dtype_name, index_to
 from . import backward_kernels
 from .backward import CUDA_HEAD_DIMS, attention_grads
 from .backward import _check_cuda as _check_dense_cuda
@@ -34,8 +35,10 @@ from .varlen import (
     AttentionVarlenSpec,
     TiledKernel,
     VarlenProblem,
+    _check_offsets,
     _per_sequence,
     _tiled,
+    host_tile_list,
     tile_list,
 )
 
@@ -104,6 +107,12 @@ class AttentionVarlenBackwardSpec(AttentionVarlenSpec):
             raise NotImplementedError(f"{_WHO}: head_dim {D} has no CUDA kernel yet (allowed: "
                                       f"{', '.join(map(str, CUDA_HEAD_DIMS))}); the forward "
                                       "runs it, so call it under torch.no_grad()")
+        # Offsets the caller gave on the host (the forward's, saved as given): checked there and
+        # the KV-block list made there, with no read back.
+        offsets = (_check_offsets(cu_seqlens_q, cu_seqlens_k, Tq, Tk, max_seqlen_q, max_seqlen_k)
+                   if cu_seqlens_q.device != q.device else None)
+        cu_seqlens_q, cu_seqlens_k = index_to(q.device, _WHO, cu_seqlens_q=cu_seqlens_q,
+                                              cu_seqlens_k=cu_seqlens_k)
         q, k, v, out, grad_out, lse = (t.contiguous() for t in (q, k, v, out, grad_out, lse))
         ratio = 1.0
         if softmax_scale is not None and softmax_scale != D ** -0.5:
@@ -117,7 +126,7 @@ class AttentionVarlenBackwardSpec(AttentionVarlenSpec):
         grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse.float().contiguous()
         return Call(q.device, problem, (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                         max_seqlen_k, out, grad_out, lse, grad_lse,
-                                        bool(causal), ratio, flash))
+                                        bool(causal), ratio, flash, offsets))
 
     @staticmethod
     def _check_results(q: torch.Tensor, out: Any, grad_out: Any, lse: Any, grad_lse: Any) -> None:
@@ -145,22 +154,26 @@ class AttentionVarlenBackwardSpec(AttentionVarlenSpec):
                out: tuple | None = None) -> tuple[torch.Tensor, ...]:
         """Run the kernel on a KV-block list made for its tile sizes; `out`, when given, is the
         triple (dq, dk, dv) of buffers to write."""
-        q, k, v, cu_q, cu_k, _, _, o, grad_out, lse, grad_lse, causal, ratio, _ = args
+        q, k, v, cu_q, cu_k, _, _, o, grad_out, lse, grad_lse, causal, ratio, _, offsets = args
         if out is None:
             out = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
         Tq, Hq, D = q.shape
         rows = -(-Tq // 4) * 4  # 16-byte rows for the statistics' TMA loads
         lse2, delta = torch.empty((2, Hq, rows), dtype=torch.float32, device=q.device)
         dq_acc = torch.empty((Hq, Tq, D), dtype=torch.float32, device=q.device)
-        tiles = tile_list(cu_q, cu_k, k.shape[0], kernel.block_M, kernel.block_N, causal,
-                          keys=True)
+        if offsets is not None:
+            tiles = host_tile_list(*offsets, kernel.block_M, kernel.block_N, causal,
+                                   keys=True).to(q.device, non_blocking=True)
+        else:
+            tiles = tile_list(cu_q, cu_k, k.shape[0], kernel.block_M, kernel.block_N, causal,
+                              keys=True)
         kernel(q, k, v, cu_q, cu_k, tiles, o, grad_out, lse, grad_lse, lse2, delta, dq_acc, *out)
         if ratio != 1.0:
             out[0].mul_(ratio)
         return out
 
     def launch_baseline(self, args: tuple) -> tuple[torch.Tensor, ...]:
-        q, k, v, cu_q, cu_k, max_q, max_k, _, grad_out, _, grad_lse, causal, ratio, flash = args
+        q, k, v, cu_q, cu_k, max_q, max_k, _, grad_out, _, grad_lse, causal, ratio, flash, _ = args
         if flash is not None:
             dq, dk, dv = flash.run(q, k, v, cu_q, cu_k, max_q, max_k, grad_out, causal)
             return (dq * ratio if ratio != 1.0 else dq), dk, dv
