@@ -192,16 +192,21 @@ def test_cuda_gradients_match_float64(B, Sq, Skv, Hq, Hkv, D, causal, dtype):
 ])
 def test_cuda_configs_write_every_element(config):
     """Each configuration into NaN-filled outputs, against the reference."""
-    cuda = torch.device("cuda")
     problem = ATTENTION_BACKWARD.Problem(2, 1024, 1024, 16, 4, 128, True, "bfloat16")
-    inputs = ATTENTION_BACKWARD.make_inputs(problem, cuda, sizes={"seqlen_q": 1000,
-                                                                   "seqlen_kv": 1000})
-    call = ATTENTION_BACKWARD.prepare(*inputs)
-    target = tileops.target_of(cuda)
-    kernel = dispatch.compile_kernel(ATTENTION_BACKWARD, call.problem, config, target)
+    check_every_gradient_written(ATTENTION_BACKWARD, problem, config,
+                                 {"seqlen_q": 1000, "seqlen_kv": 1000})
+
+
+def check_every_gradient_written(spec, problem, config, sizes):
+    """One configuration of a backward into NaN-filled gradients, against the reference: an
+    element it never wrote would stay NaN."""
+    cuda = torch.device("cuda")
+    inputs = spec.make_inputs(problem, cuda, sizes=sizes)
+    call = spec.prepare(*inputs)
+    kernel = dispatch.compile_kernel(spec, call.problem, config, tileops.target_of(cuda))
     out = tuple(torch.full_like(t, float("nan")) for t in inputs[:3])
-    ATTENTION_BACKWARD.launch(kernel, call.args, out=out)
-    for g, r in zip(out, ATTENTION_BACKWARD.reference(inputs), strict=True):
+    spec.launch(kernel, call.args, out=out)
+    for g, r in zip(out, spec.reference(inputs), strict=True):
         assert not g.isnan().any() and rel_error(g, r) < 2e-2
 
 
@@ -253,8 +258,11 @@ def test_varlen_cpu_gradients_match_float64(lq, lkv, Hq, Hkv, causal, dtype):
     assert not got[1][-3:].any() and not got[2][-3:].any()  # the spare keys: zero gradients
 
 
-def test_varlen_gradients_under_torch_compile():
-    q, k, v, cu_q, cu_k, mq, mk = packed([20, 13], [20, 13], 4, 2, 64, torch.float32, CPU)
+@pytest.mark.parametrize(("device", "dtype"), [
+    ("cpu", torch.float32), pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu)])
+def test_varlen_gradients_under_torch_compile(device, dtype):
+    q, k, v, cu_q, cu_k, mq, mk = packed([20, 130], [20, 130], 4, 2, 64, dtype,
+                                         torch.device(device))
 
     def layer(q, k, v):
         return tileops.flash_attention_varlen(q, k, v, cu_q, cu_k, mq, mk, causal=True).sum()
@@ -262,7 +270,7 @@ def test_varlen_gradients_under_torch_compile():
     got = torch.autograd.grad(torch.compile(layer, fullgraph=True)(q, k, v), (q, k, v))
     want = torch.autograd.grad(layer(q, k, v), (q, k, v))
     for g, w in zip(got, want, strict=True):
-        assert rel_error(g, w) < 1e-6
+        assert rel_error(g, w) < (1e-6 if dtype is torch.float32 else 1e-2)
 
 
 def test_varlen_backward_refuses_bad_results():
@@ -367,17 +375,9 @@ def test_varlen_cuda_gradients_match_float64(lq, lkv, Hq, Hkv, D, causal, dtype,
 ])
 def test_varlen_cuda_configs_write_every_element(config):
     """Each configuration into NaN-filled gradients, against the reference."""
-    cuda = torch.device("cuda")
     problem = ATTENTION_VARLEN_BACKWARD.parse_exact("4096x2048x16x4x128:causal", "bfloat16")
-    inputs = ATTENTION_VARLEN_BACKWARD.make_inputs(problem, cuda, sizes={"tokens_q": 3001,
-                                                                          "tokens_kv": 3001})
-    call = ATTENTION_VARLEN_BACKWARD.prepare(*inputs)
-    kernel = dispatch.compile_kernel(ATTENTION_VARLEN_BACKWARD, call.problem, config,
-                                     tileops.target_of(cuda))
-    out = tuple(torch.full_like(t, float("nan")) for t in inputs[:3])
-    ATTENTION_VARLEN_BACKWARD.launch(kernel, call.args, out=out)
-    for g, r in zip(out, ATTENTION_VARLEN_BACKWARD.reference(inputs), strict=True):
-        assert not g.isnan().any() and rel_error(g, r) < 2e-2
+    check_every_gradient_written(ATTENTION_VARLEN_BACKWARD, problem, config,
+                                 {"tokens_q": 3001, "tokens_kv": 3001})
 
 
 @pytest.mark.gpu
