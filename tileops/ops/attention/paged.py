@@ -20,8 +20,9 @@ Command-line syntax: `BxSQxSKVxHQxHKVxDxPAGE[:causal]`, e.g. `4x2048x16384x32x8x
 seqlen_kv keys in pages shuffled across the cache, the rows past the lengths NaN (what stale
 cache rows may hold).
 
-The baseline is `tileops.flash_attention` (the dense kernels, as dispatched) on the same keys
-gathered into contiguous K and V, gathered once per call: the cost of the paging itself.
+The baseline is `tileops.flash_attention` as dispatched (its tile kernels, or cuDNN where their
+records say cuDNN wins) on the same keys gathered into contiguous K and V, gathered once per
+call: the cost of the paging itself.
 """
 
 from __future__ import annotations
@@ -155,7 +156,8 @@ class AttentionPagedSpec(OpSpec):
     bucketed = ("seqlen_q", "seqlen_kv")
     dynamic = ("batch", "seqlen_q", "seqlen_kv")
     categorical = ("heads_q", "heads_kv", "head_dim", "page_size", "causal", "dtype")
-    baseline_name = "tileops.flash_attention (the dense kernels) on the gathered cache"
+    baseline_name = ("tileops.flash_attention as dispatched (its tile kernels, or cuDNN where their "
+                     "records say it wins) on the gathered cache")
     kernel_module = kernels.__name__
     backends = BACKENDS
     unsupported = {"metal": f"{_WHO} has no Metal kernel",
