@@ -14,6 +14,8 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from .. import autotune
+
 V = TypeVar("V")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -49,7 +51,7 @@ def index_to(device: torch.device, who: str, **tensors: torch.Tensor) -> list[to
     out = []
     for name, t in tensors.items():
         if t.device != device:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            if autotune.capturing(device):
                 raise RuntimeError(f"{who}: {name} is on the host; inside CUDA-graph capture "
                                    f"pass it on {device} (a copy from the host cannot be "
                                    "captured)")
