@@ -24,8 +24,9 @@ from tileops.ops.attention.varlen_backward import per_sequence_grads
 # The packed backward's sm_90 kernel lowers (`test_sm90a_codegen_packed_backward`) but is not
 # served until its GPU tests pass on the H200 (`varlen_backward`'s `unsupported`); meanwhile
 # they skip, and a call that would need it is refused.
-PACKED_CUDA = pytest.mark.skipif(ATTENTION_VARLEN_BACKWARD.unsupported_reason(H200) is not None,
-                                 reason="the packed backward is not served on sm_90 yet")
+PACKED_REFUSED = ATTENTION_VARLEN_BACKWARD.unsupported_reason(H200) is not None
+PACKED_CUDA = pytest.mark.skipif(PACKED_REFUSED, reason="the packed backward is not served on "
+                                                        "sm_90 yet")
 
 CPU = torch.device("cpu")
 
@@ -354,8 +355,7 @@ def test_sm90a_codegen_packed_backward():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(ATTENTION_VARLEN_BACKWARD.unsupported_reason(H200) is None,
-                    reason="the packed backward is served on sm_90")
+@pytest.mark.skipif(not PACKED_REFUSED, reason="the packed backward is served on sm_90")
 def test_varlen_cuda_inputs_requiring_grad_are_refused_while_unserved():
     q, k, v, cu_q, cu_k, mq, mk = packed([50, 14], [50, 14], 2, 2, 128, torch.bfloat16,
                                          torch.device("cuda"))
