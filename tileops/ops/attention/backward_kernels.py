@@ -32,6 +32,10 @@ from ..online_softmax import FAST_MATH  # noqa: F401 (FAST_MATH: spec.fast_math)
 from .kernels import _at, _rows, _visible, zero_rows_past
 
 DELTA_ROWS = 64  # query rows per program instance of the Delta and dQ kernels
+# A packed sequence's statistics start at any row, but a TMA box must start 16 bytes into its
+# row: the load starts at the 4-aligned row below and is this many rows longer, which also keeps
+# each stage's shared copy 128-byte aligned.
+STAT_PAD = 32
 
 
 def _first_query(k0, block_M: int, seqlen_q, seqlen_kv, causal: bool):
@@ -55,9 +59,10 @@ _DS_BARRIER = 9
 @T.macro
 def _step(K_s, V_s, Q_s, dO_s, dS_s, dQ_s, lse, delta, lse_f, delta_f, S, dP, P, dS, dk, dv, dq,
           dq_rows, q0, k0, seqlen_q, seqlen_kv, causal: bool, scale: float, consumers: int,
-          handoff: bool):
+          handoff: bool, shift=None):
     """One query block of the main kernel: the five products and dQ's reduce-add into dq_rows
-    (the block's rows of the accumulator).
+    (the block's rows of the accumulator). `shift`: the block's first row in `lse` and `delta`
+    (packed), else 0.
 
     `consumers` 0: each product waits for itself (TileLang's warp specialisation). Otherwise the
     `consumers` threads of `_ws_schedule` issue the products asynchronously: dP^T = V dO^T runs
@@ -75,7 +80,7 @@ def _step(K_s, V_s, Q_s, dO_s, dS_s, dQ_s, lse, delta, lse_f, delta_f, S, dP, P,
     with T.ws_op("p"):
         if consumers:
             T.wait_wgmma(1)
-        T.copy(lse, lse_f)  # a column's value once per thread, not once per element
+        _stat_columns(lse, lse_f, shift)  # a column's value once per thread, not per element
         if _whole(q0, k0, block_M, block_N, seqlen_q, seqlen_kv, causal):
             for i, j in T.Parallel(block_N, block_M):
                 S[i, j] = T.exp2(S[i, j] * (scale * LOG2E) - lse_f[j])
@@ -90,7 +95,7 @@ def _step(K_s, V_s, Q_s, dO_s, dS_s, dQ_s, lse, delta, lse_f, delta_f, S, dP, P,
     with T.ws_op("ds"):
         if consumers:
             T.wait_wgmma(1)
-        T.copy(delta, delta_f)
+        _stat_columns(delta, delta_f, shift)
         if _whole(q0, k0, block_M, block_N, seqlen_q, seqlen_kv, causal):
             for i, j in T.Parallel(block_N, block_M):
                 dS[i, j] = S[i, j] * (dP[i, j] - delta_f[j]) * scale
@@ -116,6 +121,16 @@ def _step(K_s, V_s, Q_s, dO_s, dS_s, dQ_s, lse, delta, lse_f, delta_f, S, dP, P,
         if handoff:
             T.fence_proxy_async()  # the generic-proxy stores, before the producer's TMA reads
     T.atomic_add(dq_rows, dQ_s, use_tma=True, annotations={T.WSID: "reduce_dq"})
+
+
+@T.macro
+def _stat_columns(shared, columns, shift):
+    """A block's statistics from shared memory into each thread's columns, from row `shift`."""
+    if shift is None:
+        T.copy(shared, columns)
+    else:
+        for j in T.Parallel(columns.shape[0]):
+            columns[j] = shared[shift + j]
 
 
 # The consumers' part of a step up to dQ's tile, in every hand schedule; packed, each of Q and dO
@@ -242,14 +257,15 @@ def _dq_rows_out(dQ_acc, dQ, b, head, r0, dtype: str):
     T.copy(out, _rows(dQ, b, r0, r0 + DELTA_ROWS, head))
 
 
-def _main_buffers(block_M: int, block_N: int, D: int, dtype: str) -> tuple:
-    """The main kernel's buffers. Shared: K, V, Q, dO, dS^T, dQ's fp32 tile, LSE, Delta.
-    Registers: S^T (then P^T), dP^T, P^T and dS^T in the dtype, the dK, dV and dQ accumulators,
-    and a thread's LSE and Delta columns."""
+def _main_buffers(block_M: int, block_N: int, D: int, dtype: str, stat_pad: int = 0) -> tuple:
+    """The main kernel's buffers. Shared: K, V, Q, dO, dS^T, dQ's fp32 tile, LSE, Delta (each
+    `stat_pad` rows longer: STAT_PAD packed). Registers: S^T (then P^T), dP^T, P^T and dS^T in the
+    dtype, the dK, dV and dQ accumulators, and a thread's LSE and Delta columns."""
     return (T.alloc_shared((block_N, D), dtype), T.alloc_shared((block_N, D), dtype),
             T.alloc_shared((block_M, D), dtype), T.alloc_shared((block_M, D), dtype),
             T.alloc_shared((block_N, block_M), dtype), T.alloc_shared((block_M, D), ACCUM),
-            T.alloc_shared((block_M,), ACCUM), T.alloc_shared((block_M,), ACCUM),
+            T.alloc_shared((block_M + stat_pad,), ACCUM),
+            T.alloc_shared((block_M + stat_pad,), ACCUM),
             T.alloc_fragment((block_N, block_M), ACCUM),
             T.alloc_fragment((block_N, block_M), ACCUM),
             T.alloc_fragment((block_N, block_M), dtype), T.alloc_fragment((block_N, block_M), dtype),
@@ -275,6 +291,8 @@ def _kv_tile(Q, K, V, dO, LSE2, Delta, dQ_acc, dK, dV, buffers, b, kv_head, q_ro
     (K_s, V_s, Q_s, dO_s, dS_s, dQ_s, lse, delta, S, dP, P, dS, dk, dv, dq, lse_f,
      delta_f) = buffers
     block_M = Q_s.shape[0]
+    # Packed: statistics from the 4-aligned row at or below q_row0 (STAT_PAD).
+    stat0 = q_row0 - q_row0 % 4 if b is None else q_row0
     T.copy(_rows(K, b, kv_row0 + k0, kv_row0 + k0 + K_s.shape[0], kv_head), K_s,
            annotations={T.WSID: "load_k"})
     T.copy(_rows(V, b, kv_row0 + k0, kv_row0 + k0 + K_s.shape[0], kv_head), V_s,
@@ -290,11 +308,11 @@ def _kv_tile(Q, K, V, dO, LSE2, Delta, dQ_acc, dK, dV, buffers, b, kv_head, q_ro
         q0 = (first + it % steps) * block_M
         T.copy(_rows(Q, b, q_row0 + q0, q_row0 + q0 + block_M, q_head), Q_s,
                annotations={T.WSID: "load_q"})
-        T.copy(_stat_rows(LSE2, b, q_head, q_row0 + q0, q_row0 + q0 + block_M), lse,
+        T.copy(_stat_rows(LSE2, b, q_head, stat0 + q0, stat0 + q0 + lse.shape[0]), lse,
                annotations={T.WSID: "load_lse"})
         T.copy(_rows(dO, b, q_row0 + q0, q_row0 + q0 + block_M, q_head), dO_s,
                annotations={T.WSID: "load_do"})
-        T.copy(_stat_rows(Delta, b, q_head, q_row0 + q0, q_row0 + q0 + block_M), delta,
+        T.copy(_stat_rows(Delta, b, q_head, stat0 + q0, stat0 + q0 + delta.shape[0]), delta,
                annotations={T.WSID: "load_delta"})
         if b is None:
             with T.ws_op("zero_q"):
@@ -303,7 +321,8 @@ def _kv_tile(Q, K, V, dO, LSE2, Delta, dQ_acc, dK, dV, buffers, b, kv_head, q_ro
                 zero_rows_past(dO_s, q0, seqlen_q, consumers)
         _step(K_s, V_s, Q_s, dO_s, dS_s, dQ_s, lse, delta, lse_f, delta_f, S, dP, P, dS, dk, dv,
               dq, _acc_rows(dQ_acc, b, q_head, q_row0 + q0, q_row0 + q0 + block_M), q0, k0,
-              seqlen_q, seqlen_kv, causal, scale, consumers, overlap == 2)
+              seqlen_q, seqlen_kv, causal, scale, consumers, overlap == 2,
+              q_row0 - stat0 if b is None else None)
     with T.ws_op("final"):
         # K and V are read no more: their tiles stage dK and dV for the stores.
         T.copy(dk, K_s)
@@ -407,7 +426,7 @@ def ragged_gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool,
                     dV[bx * DELTA_ROWS + i, head, d] = T.cast(0, dtype)
 
         with T.Kernel(n_entries * heads_kv, threads=threads) as item:
-            buffers = _main_buffers(block_M, block_N, D, dtype)
+            buffers = _main_buffers(block_M, block_N, D, dtype, STAT_PAD)
             T.annotate_ws_schedule(_ws_schedule(threads // 32, buffers, num_stages, overlap,
                                                 packed=True))
             with T.ws_op("bounds"):
