@@ -143,6 +143,7 @@ def test_gemm_split_k_summed_in_the_cluster(swap_ab, block_M, split_k):
     ({"split_k": 1}, H200),  # nothing to sum
     ({"split_k": 16}, H200),  # beyond a portable cluster
     ({"split_k": 2, "num_stages": 2}, A100),  # no clusters before sm_90
+    ({"split_k": 2, "swizzle": 8}, H200),  # clusters along z, rasterised along x
 ])
 def test_gemm_cluster_sum_refused_where_it_cannot_run(knobs, target):
     problem = GEMM.Problem(16, 4096, 4096, "bfloat16", "nk", "bfloat16")

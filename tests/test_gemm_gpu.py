@@ -76,15 +76,17 @@ def test_decode_variants_cuda(layout, block_M, swap_ab, split_k, cluster_sum):
 
 
 @pytest.mark.parametrize("layout", ["nk", "kn"])
-@pytest.mark.parametrize(("full_row", "staged_store", "split_k"),
-                         [(1, 0, 1), (0, 1, 1), (1, 1, 1), (0, 1, 2)])
-def test_prefill_knobs_cuda(layout, full_row, staged_store, split_k):
+@pytest.mark.parametrize(("full_row", "staged_store", "split_k", "cluster_sum", "block_N"),
+                         [(1, 0, 1, 0, 256), (0, 1, 1, 0, 256), (1, 1, 1, 0, 256),
+                          (0, 1, 2, 0, 256), (1, 1, 2, 1, 192), (1, 1, 4, 1, 256)])
+def test_prefill_knobs_cuda(layout, full_row, staged_store, split_k, cluster_sum, block_N):
     """Whole-row warpgroups and the staged store at odd sizes (rows TMA cannot store among
-    them), every element written."""
-    config = {"block_M": 128, "block_N": 256, "block_K": 64, "num_stages": 3, "threads": 256,
-              "swizzle": 8, "swap_ab": 0, "split_k": split_k, "full_row": full_row,
-              "staged_store": staged_store}
-    _writes_every_element(config, layout, [(257, 4097, 4095), (1000, 512, 1024), (129, 384, 256)],
+    them), split-K summed by a second kernel or in the cluster, every element written."""
+    config = {"block_M": 128, "block_N": block_N, "block_K": 64, "num_stages": 3,
+              "threads": 256, "swizzle": 0 if cluster_sum else 8, "swap_ab": 0,
+              "split_k": split_k, "full_row": full_row, "staged_store": staged_store,
+              "cluster_sum": cluster_sum}
+    _writes_every_element(config, layout, [(257, 4097, 4095), (1000, 512, 1024), (129, 384, 512)],
                           lambda M: 256 if split_k > 1 else 1024)
 
 

@@ -115,6 +115,10 @@ def _check_schedule(problem: GemmProblem, config: Config, target: Target) -> str
     if config.get("cluster_sum") and (not target.is_hopper or not 1 < split <= 8 or bm % split):
         return (f"cluster_sum takes 2-8 K splits (a portable cluster, sm_90) dividing the {bm} "
                 f"rows, not {split}")
+    if config.get("cluster_sum") and config.get("swizzle"):
+        # Its clusters run along the grid's z (the splits); TileLang rasterises clustered grids
+        # along x only, and its code generator stops on the pair.
+        return "cluster_sum with a rasterised grid (swizzle): TileLang's clusters must lie on x"
     if not config.get("stream_k"):
         return None
     if not target.arch.startswith("sm_90"):
