@@ -62,7 +62,7 @@ def _step(K_s, V_s, Q_s, dO_s, dS_s, dQ_s, lse, delta, lse_f, delta_f, S, dP, P,
           handoff: bool, shift=None):
     """One query block of the main kernel: the five products and dQ's reduce-add into dq_rows
     (the block's rows of the accumulator). `shift`: the block's first row in `lse` and `delta`
-    (packed), else 0.
+    (packed, `_kv_tile`), None where it is their first.
 
     `consumers` 0: each product waits for itself (TileLang's warp specialisation). Otherwise the
     `consumers` threads of `_ws_schedule` issue the products asynchronously: dP^T = V dO^T runs
@@ -291,8 +291,9 @@ def _kv_tile(Q, K, V, dO, LSE2, Delta, dQ_acc, dK, dV, buffers, b, kv_head, q_ro
     (K_s, V_s, Q_s, dO_s, dS_s, dQ_s, lse, delta, S, dP, P, dS, dk, dv, dq, lse_f,
      delta_f) = buffers
     block_M = Q_s.shape[0]
-    # Packed: statistics from the 4-aligned row at or below q_row0 (STAT_PAD).
-    stat0 = q_row0 - q_row0 % 4 if b is None else q_row0
+    # Packed: statistics from the 16-byte-aligned row at or below q_row0 (STAT_PAD).
+    shift = q_row0 % (16 // 4) if b is None else None
+    stat0 = q_row0 if shift is None else q_row0 - shift
     T.copy(_rows(K, b, kv_row0 + k0, kv_row0 + k0 + K_s.shape[0], kv_head), K_s,
            annotations={T.WSID: "load_k"})
     T.copy(_rows(V, b, kv_row0 + k0, kv_row0 + k0 + K_s.shape[0], kv_head), V_s,
@@ -321,8 +322,7 @@ def _kv_tile(Q, K, V, dO, LSE2, Delta, dQ_acc, dK, dV, buffers, b, kv_head, q_ro
                 zero_rows_past(dO_s, q0, seqlen_q, consumers)
         _step(K_s, V_s, Q_s, dO_s, dS_s, dQ_s, lse, delta, lse_f, delta_f, S, dP, P, dS, dk, dv,
               dq, _acc_rows(dQ_acc, b, q_head, q_row0 + q0, q_row0 + q0 + block_M), q0, k0,
-              seqlen_q, seqlen_kv, causal, scale, consumers, overlap == 2,
-              q_row0 - stat0 if b is None else None)
+              seqlen_q, seqlen_kv, causal, scale, consumers, overlap == 2, shift)
     with T.ws_op("final"):
         # K and V are read no more: their tiles stage dK and dV for the stores.
         T.copy(dk, K_s)
