@@ -3,6 +3,7 @@ products, dynamic lengths) and compiles with nvcc where it is installed."""
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -136,3 +137,42 @@ def test_persistent_packed_kernel_counts_barrier_phases_at_run_time():
     assert ATTENTION_VARLEN.check_config(problem, config, H200) is None
     src = lower(ATTENTION_VARLEN.build(problem, config, H200), H200).kernel_source
     assert "k_phase" in src and "v_phase" in src
+    # and the bound stays visibly positive: a first KV block under `if (0 < ...)` made ptxas
+    # serialise every wgmma (C7515)
+    assert re.search(r"if \(0 < \(\w+ \+ \(t_\d+ >> 31\)\)\)", src) is None
+    assert re.search(r"kb < max\(\(\w+ \+ \(t >> 31\)\), 1\)", src)
+
+
+@pytest.mark.parametrize(("batch", "seqlen", "heads_q", "heads_kv", "head_dim"), [
+    (4, 1024, 32, 32, 128),  # two sections of 64 heads
+    (2, 16384, 32, 8, 128),  # four KV heads (16 query heads) a section
+    (3, 3000, 12, 4, 64),  # a last section narrower than the others
+    (1, 1 << 17, 4, 2, 128),  # one KV head's K and V over the budget: a section is one KV head
+])
+def test_causal_persistent_tiles_run_heaviest_first_in_sections_that_fit_l2(
+        batch, seqlen, heads_q, heads_kv, head_dim):
+    import tvm
+    from tvm import tirx
+
+    from tileops.ops.attention import kernels
+
+    analyzer, imm = tvm.arith.Analyzer(), lambda v: tirx.IntImm("int32", v)
+    n_q, group = -(-seqlen // 128), heads_q // heads_kv
+    tiles = [tuple(int(analyzer.simplify(e)) for e in kernels._tile(
+        imm(t), imm(n_q), heads_q, group, imm(batch), imm(seqlen), head_dim, True, [0] * 5))
+        for t in range(n_q * heads_q * batch)]
+    assert sorted(tiles) == [(bx, h, b) for bx in range(n_q) for h in range(heads_q)
+                             for b in range(batch)]  # every tile once
+    kv_head_bytes = seqlen * 4 * head_dim
+    fit = max(kernels.L2_KV_BYTES // kv_head_bytes, 1)
+    for start in range(0, len(tiles), 132):  # the tiles 132 persistent CTAs start together
+        wave = tiles[start:start + 132]
+        kv_heads = {(b, h // group) for _, h, b in wave}
+        # within budget, or straddling two sections
+        assert len(kv_heads) <= 2 * fit
+    pair = [b * heads_q + h for _, h, b in tiles]
+    section = [p // (fit * group) for p in pair]
+    assert section == sorted(section)  # one section after another
+    for s in set(section):  # inside one, query block 0 (the heaviest, counted down) first
+        blocks = [bx for (bx, _, _), x in zip(tiles, section, strict=True) if x == s]
+        assert blocks == sorted(blocks)

@@ -62,7 +62,9 @@ def compiled(problem, schedule):
 def test_every_element_written_cuda(schedule):
     problem = ATTENTION.Problem(2, 1024, 1024, 32, 8, 128, True, "bfloat16")
     kernel = compiled(problem, schedule)
-    for Sq, Skv in [(1000, 999), (129, 1000), (1000, 129)]:
+    # (300, 17000): persistent causal tiles in sections of 3 KV heads (`kernels._tile`), the
+    # last of the 16 (batch, KV head) pairs alone in its section
+    for Sq, Skv in [(1000, 999), (129, 1000), (1000, 129), (300, 17000)]:
         inputs = ATTENTION.make_inputs(problem, CUDA, seed=Sq, sizes={"seqlen_q": Sq,
                                                                       "seqlen_kv": Skv})
         call = ATTENTION.prepare(*inputs)

@@ -231,13 +231,52 @@ def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
     return flash_attention
 
 
-def _tile(tile, n_q, heads_q: int, batch, causal: bool):
-    """(query block, head, batch) of a persistent CTA's tile. Causal: the query block slowest
-    (`ws_overlap_program` counts it down, so the heaviest tiles go first); otherwise fastest, so
-    that the CTAs running at once share K and V in L2."""
-    if causal:
-        return tile // (heads_q * batch), tile % heads_q, tile // heads_q % batch
-    return tile % n_q, tile // n_q % heads_q, tile // (n_q * heads_q)
+# The K and V bytes a causal persistent launch's CTAs in flight should read (H200's L2 holds 50
+# MiB; the rest is left to the Q and O streams). FlashAttention-3 sizes its sections the same way.
+L2_KV_BYTES = 32 << 20
+
+
+def _tile(tile, n_q, heads_q: int, group: int, batch, seqlen_kv, head_dim: int, causal: bool,
+          at):
+    """(query block, head, batch) of a persistent CTA's tile.
+
+    Non-causal: the query block fastest, so that the CTAs in flight share one head's K and V in
+    L2. Causal: the heaviest tiles first (`ws_overlap_program` counts the query block down), but
+    the (batch, head) pairs are cut into sections of whole KV heads whose K and V (16-bit) fit
+    `L2_KV_BYTES`, with the query block slowest inside a section. Heaviest first over every
+    head at once kept 132 heads' K and V in flight, more than L2 holds from 1k tokens up.
+
+    `at`: five int32 registers (a list on the host) holding the section's arithmetic, which
+    inlined into every index made the lowering minutes long (see `_per_tile`)."""
+    if not causal:
+        return tile % n_q, tile // n_q % heads_q, tile // (n_q * heads_q)
+    kv_heads = T.max(L2_KV_BYTES // (4 * head_dim) // seqlen_kv, 1)
+    width = _hold(at, 0, T.min(kv_heads * group, heads_q * batch))  # pairs a section
+    section = _hold(at, 1, tile // (width * n_q))
+    pairs = _hold(at, 2, T.min(width, heads_q * batch - section * width))  # fewer in the last
+    rest = tile - section * width * n_q  # the tile's place in its section
+    pair = _hold(at, 3, section * width + rest % pairs)
+    return _hold(at, 4, rest // pairs), pair % heads_q, pair // heads_q
+
+
+def _per_tile(n_blocks, t):
+    """A persistent CTA's KV block count for tile loop iteration t, where it varies by tile.
+    Read through registers or memory, the count is bound to variables that do not name t, so
+    TileLang's warp specialisation takes the nest for rectangular and counts barrier phases as
+    t * n_blocks + kb, wrong once two tiles differ (the CTAs hung). t >> 31 is 0: naming t in
+    the bound makes it count the phases at run time. The `max` keeps the count visibly positive,
+    as `_n_blocks` does: without it the pipeliner's first iteration was conditional and ptxas
+    serialised every wgmma of the persistent packed kernel (32 `WARPGROUP.DEPBAR` in the SASS)."""
+    return T.max(n_blocks + T.shift_right(t, 31), 1)
+
+
+def _hold(at, i: int, value):
+    """Store `value` in register `at[i]` (a list's item on the host) and read it back."""
+    if isinstance(at, list):
+        at[i] = value
+    else:
+        T.buffer_store(at, value, [i])
+    return at[i]
 
 
 def _ws_overlap_schedule(consumer_warps: int, Q_s, K_s, V_s, num_stages: int,
@@ -412,12 +451,16 @@ def ws_overlap_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool,
             buffers = _buffers(block_M, block_N, head_dim, dtype)
             T.annotate_ws_schedule(_ws_overlap_schedule(threads // 32, *buffers[:3], num_stages))
             n_tiles = T.ceildiv(n_q * heads_q * batch - ids, ctas) if ctas else 1
+            at = T.alloc_local((5,), "int32") if ctas and causal else None
             for t in T.serial(n_tiles, annotations={T.WSID: "tiles"}):
                 with T.ws_op("bounds"):
-                    bx, head, b = _tile(ids + t * ctas, n_q, heads_q, batch, causal) if ctas else ids
+                    bx, head, b = (_tile(ids + t * ctas, n_q, heads_q, group, batch, seqlen_kv,
+                                         head_dim, causal, at) if ctas else ids)
                     q0 = (n_q - 1 - bx if causal else bx) * block_M
                     kv_head = head // group
                     n_blocks = _n_blocks(q0, block_M, block_N, seqlen_q, seqlen_kv, causal)
+                    if ctas and causal:
+                        n_blocks = _per_tile(n_blocks, t)
                     n_full = _full_blocks(q0, block_N, seqlen_q, seqlen_kv, causal)
                 _ws_overlap_tile(Q, K, V, O, LSE, buffers, b, head,
                                  _kv_rows(b, 0, kv_head, block_N), 0, q0, seqlen_q, seqlen_kv,
@@ -459,27 +502,26 @@ def ragged_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dty
             T.annotate_ws_schedule(_ws_overlap_schedule(threads // 32, *buffers[:3], num_stages,
                                                          zero_tail=True))
             n_tiles = T.ceildiv(n_items - ids, ctas) if ctas else 1
+            # the tile's bounds in registers: inlined into every index that uses them, the loads
+            # made the lowering 90 s long (TileLang's layout inference)
+            at = T.alloc_local((6,), "int32")
             for t in T.serial(n_tiles, annotations={T.WSID: "tiles"}):
                 with T.ws_op("bounds"):
                     item = ids + t * ctas if ctas else ids
                     head = item % heads_q
-                    seq = Tiles[item // heads_q, 0]
-                    q0 = Tiles[item // heads_q, 1] * block_M
-                    q_row0 = T.min(CuQ[seq], tokens_q)
-                    seqlen_q = T.min(T.max(CuQ[seq + 1], q_row0), tokens_q) - q_row0
-                    kv_row0 = T.min(CuKV[seq], tokens_kv)
-                    seqlen_kv = T.min(T.max(CuKV[seq + 1], kv_row0), tokens_kv) - kv_row0
+                    seq = _hold(at, 0, Tiles[item // heads_q, 0])
+                    q0 = _hold(at, 1, Tiles[item // heads_q, 1] * block_M)
+                    q_row0 = _hold(at, 2, T.min(CuQ[seq], tokens_q))
+                    seqlen_q = _hold(at, 3, T.min(T.max(CuQ[seq + 1], q_row0), tokens_q) - q_row0)
+                    kv_row0 = _hold(at, 4, T.min(CuKV[seq], tokens_kv))
+                    seqlen_kv = _hold(at, 5, T.min(T.max(CuKV[seq + 1], kv_row0), tokens_kv)
+                                      - kv_row0)
                     kv_head = head // group
                     n_blocks = T.if_then_else(
                         q0 < seqlen_q,
                         _n_blocks(q0, block_M, block_N, seqlen_q, seqlen_kv, causal), 1)
                     if ctas:
-                        # Each tile's KV block count comes from memory (the list, the offsets),
-                        # bound to variables the loop bound names instead of t; TileLang then
-                        # takes the nest for rectangular and counts barrier phases as
-                        # t * n_blocks + kb, wrong once two tiles differ (the CTAs hung). t >> 31
-                        # is 0; it makes the bound read t, so the phases are counted at run time.
-                        n_blocks = n_blocks + T.shift_right(t, 31)
+                        n_blocks = _per_tile(n_blocks, t)
                     n_full = _full_blocks(q0, block_N, seqlen_q, seqlen_kv, causal)
                 _ws_overlap_tile(Q, K, V, O, LSE, buffers, None, head,
                                  _kv_rows(None, kv_row0, kv_head, block_N), q_row0, q0,
