@@ -29,7 +29,7 @@ import tilelang.language as T
 
 from ..common import ACCUM, LOG2E, bits, from_f32, to_f32
 from ..online_softmax import FAST_MATH  # noqa: F401 (FAST_MATH: spec.fast_math)
-from .kernels import _at, _rows, _visible, zero_rows_past
+from .kernels import _at, _hold, _rows, _visible, zero_rows_past
 
 DELTA_ROWS = 64  # query rows per program instance of the Delta and dQ kernels
 # A packed sequence's statistics start at any row, but a TMA box must start 16 bytes into its
@@ -429,21 +429,25 @@ def ragged_gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool,
             buffers = _main_buffers(block_M, block_N, D, dtype, STAT_PAD)
             T.annotate_ws_schedule(_ws_schedule(threads // 32, buffers, num_stages, overlap,
                                                 packed=True))
+            # the tile's bounds in registers, as the forward holds them (`kernels._hold`)
+            at = T.alloc_local((8,), "int32")
             with T.ws_op("bounds"):
                 entry = item % n_entries
                 kv_head = item // n_entries
-                seq = Tiles[entry, 0]
-                k0 = Tiles[entry, 1] * block_N
-                q_row0 = T.min(CuQ[seq], tokens_q)
-                seqlen_q = T.min(T.max(CuQ[seq + 1], q_row0), tokens_q) - q_row0
-                kv_row0 = T.min(CuKV[seq], tokens_kv)
-                seqlen_kv = T.min(T.max(CuKV[seq + 1], kv_row0), tokens_kv) - kv_row0
-                first = T.if_then_else(
-                    k0 < seqlen_kv, _first_query(k0, block_M, seqlen_q, seqlen_kv, causal), 0)
-                # One masked block for an entry past its sequence or a sequence without queries
-                # (the pipeliner's first iteration is then unconditional).
-                steps = T.if_then_else(
-                    k0 < seqlen_kv, T.max(T.ceildiv(seqlen_q, block_M) - first, 1), 1)
+                seq = _hold(at, 0, Tiles[entry, 0])
+                k0 = _hold(at, 1, Tiles[entry, 1] * block_N)
+                q_row0 = _hold(at, 2, T.min(CuQ[seq], tokens_q))
+                seqlen_q = _hold(at, 3, T.min(T.max(CuQ[seq + 1], q_row0), tokens_q) - q_row0)
+                kv_row0 = _hold(at, 4, T.min(CuKV[seq], tokens_kv))
+                seqlen_kv = _hold(at, 5, T.min(T.max(CuKV[seq + 1], kv_row0), tokens_kv)
+                                  - kv_row0)
+                first = _hold(at, 6, T.if_then_else(
+                    k0 < seqlen_kv, _first_query(k0, block_M, seqlen_q, seqlen_kv, causal), 0))
+                # One masked block for an entry past its sequence or a sequence without queries;
+                # the max keeps the count visibly positive (the pipeliner's first iteration is
+                # then unconditional, and ptxas keeps the wgmmas asynchronous).
+                steps = T.max(_hold(at, 7, T.if_then_else(
+                    k0 < seqlen_kv, T.ceildiv(seqlen_q, block_M) - first, 1)), 1)
             _kv_tile(Q, K, V, dO, LSE2, Delta, dQ_acc, dK, dV, buffers, None, kv_head, q_row0,
                      kv_row0, k0, first, steps, seqlen_q, seqlen_kv, causal, scale, group,
                      num_stages, threads, overlap)
