@@ -7,6 +7,7 @@ graph of the packed backward."""
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -335,10 +336,10 @@ def test_varlen_nan_in_one_sequence_stays_there_backward(device):
 
 def test_sm90a_codegen_packed_backward():
     """The packed main kernel: the dense one's products and reduce-add, the rows past a sequence
-    zeroed in K, Q and dO by the consumers, and dK, dV stored row by row; a fourth kernel zeroes
-    the gradients of the keys after the last sequence. A sequence's statistics start at any row,
-    and a TMA box whose start is not 16-byte aligned stops the H200 with an illegal instruction:
-    their loads start at the 4-aligned row below."""
+    zeroed in K, Q and dO and in dQ's tile by the consumers, and dK, dV stored row by row; a
+    fourth kernel zeroes the gradients of the keys after the last sequence. A sequence's
+    statistics start at any row, and a TMA box whose start is not 16-byte aligned stops the H200
+    with an illegal instruction: their loads start at the 4-aligned row below."""
     problem = ATTENTION_VARLEN_BACKWARD.parse_exact("8192x2048x32x8x128:causal", "bfloat16")
     config = ATTENTION_VARLEN_BACKWARD.default_config(problem, H200)
     assert "hand schedules" in ATTENTION_VARLEN_BACKWARD.check_config(
@@ -353,6 +354,9 @@ def test_sm90a_codegen_packed_backward():
     assert consumers.count("wgmma_rs") and consumers.count("wgmma_ss")
     assert consumers.count("__sync_thread_partial(10, 256)") == 6  # K, Q, dO: two barriers each
     assert "tma_store" not in consumers and "dK + " in consumers  # row stores, not TMA
+    # dq's rows past the sequence zeroed before its tile goes to the reduce-add (0 * a NaN key)
+    zero_dq = re.search(r"\*\(float2\*\)\(dq \+ \(i_\d+ \* 2\)\) = make_float2", consumers)
+    assert zero_dq and zero_dq.start() < consumers.index("*(float2*)(((float*)dQ_s)")
     stat_loads = [line for line in producer.splitlines()
                   if "tma_load(LSE2_desc" in line or "tma_load(Delta_desc" in line]
     assert stat_loads and all("& 3)" in line for line in stat_loads)

@@ -51,20 +51,21 @@ def _setup(ctx, inputs, output) -> None:
     ctx.causal, ctx.softmax_scale = causal, softmax_scale
 
 
-def _grads(spec, op, grad_out: torch.Tensor | None, out: torch.Tensor, before: tuple,
+def _grads(op, grad_out: torch.Tensor | None, out: torch.Tensor, before: tuple,
            after: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv through a backward operator: `op` in code being compiled, else dispatch, on
-    (*before, out, grad_out, *after). A missing grad_out (only lse was used) is zeros."""
+    """dq, dk, dv through a backward operator's registered `op` (which dispatches its spec) on
+    (*before, out, grad_out, *after). Always the op: AOT autograd traces a compiled backward with
+    fake tensors, where some torch releases (2.11) report `torch.compiler.is_compiling()` False.
+    A missing grad_out (only lse was used) is zeros."""
     grad_out = torch.zeros_like(out) if grad_out is None else grad_out.to(out.dtype)
-    args = (*before, out, grad_out, *after)
-    return op(*args) if torch.compiler.is_compiling() else DISPATCHER(spec, *args)
+    return op(*before, out, grad_out, *after)
 
 
 def _backward(ctx, grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None):
     """dq, dk, dv through the `attention_backward` operator. The lse output is differentiable
     too (its gradient enters as dS = P (dP - Delta + grad_lse))."""
     q, k, v, out, lse = ctx.saved_tensors
-    grads = _grads(ATTENTION_BACKWARD, _backward_op, grad_out, out, (q, k, v),
+    grads = _grads(_backward_op, grad_out, out, (q, k, v),
                    (lse, ctx.causal, ctx.softmax_scale, grad_lse))
     return (*grads, None, None)
 
@@ -138,7 +139,7 @@ def _backward_varlen(ctx, grad_out: torch.Tensor | None, grad_lse: torch.Tensor 
     """dq, dk, dv through the `attention_varlen_backward` operator (the forward validated the
     offsets, or was told not to)."""
     q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
-    grads = _grads(ATTENTION_VARLEN_BACKWARD, _varlen_backward_op, grad_out, out,
+    grads = _grads(_varlen_backward_op, grad_out, out,
                    (q, k, v, cu_q, cu_k, *ctx.sizes), (lse, ctx.causal, ctx.softmax_scale,
                                                        grad_lse))
     return (*grads, *(None,) * 7)

@@ -29,7 +29,7 @@ import tilelang.language as T
 
 from ..common import ACCUM, LOG2E, bits, from_f32, to_f32
 from ..online_softmax import FAST_MATH  # noqa: F401 (FAST_MATH: spec.fast_math)
-from .kernels import _at, _hold, _rows, _visible, zero_rows_past
+from .kernels import _at, _hold, _rows, _visible, ragged_bounds, zero_rows_past
 
 DELTA_ROWS = 64  # query rows per program instance of the Delta and dQ kernels
 # A packed sequence's statistics start at any row, but a TMA box must start 16 bytes into its
@@ -117,6 +117,12 @@ def _step(K_s, V_s, Q_s, dO_s, dS_s, dQ_s, lse, delta, lse_f, delta_f, S, dP, P,
         if consumers:
             T.wait_wgmma(0)
     with T.ws_op("store_dq"):
+        if shift is not None and q0 + block_M > seqlen_q:
+            # Packed: the accumulator's rows past the sequence are the next one's. Their dq is
+            # 0 * K, NaN where this sequence's keys are, so it is zeroed rather than added.
+            for i, d in T.Parallel(block_M, dq.shape[1]):
+                if q0 + i >= seqlen_q:
+                    dq[i, d] = 0
         T.copy(dq, dQ_s)
         if handoff:
             T.fence_proxy_async()  # the generic-proxy stores, before the producer's TMA reads
@@ -434,13 +440,8 @@ def ragged_gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool,
             with T.ws_op("bounds"):
                 entry = item % n_entries
                 kv_head = item // n_entries
-                seq = _hold(at, 0, Tiles[entry, 0])
-                k0 = _hold(at, 1, Tiles[entry, 1] * block_N)
-                q_row0 = _hold(at, 2, T.min(CuQ[seq], tokens_q))
-                seqlen_q = _hold(at, 3, T.min(T.max(CuQ[seq + 1], q_row0), tokens_q) - q_row0)
-                kv_row0 = _hold(at, 4, T.min(CuKV[seq], tokens_kv))
-                seqlen_kv = _hold(at, 5, T.min(T.max(CuKV[seq + 1], kv_row0), tokens_kv)
-                                  - kv_row0)
+                seq, k0, q_row0, seqlen_q, kv_row0, seqlen_kv = ragged_bounds(
+                    at, Tiles, entry, block_N, CuQ, CuKV, tokens_q, tokens_kv)
                 first = _hold(at, 6, T.if_then_else(
                     k0 < seqlen_kv, _first_query(k0, block_M, seqlen_q, seqlen_kv, causal), 0))
                 # One masked block for an entry past its sequence or a sequence without queries;

@@ -270,6 +270,19 @@ def _per_tile(n_blocks, t):
     return T.max(n_blocks + T.shift_right(t, 31), 1)
 
 
+def ragged_bounds(at, Tiles, entry, block: int, CuQ, CuKV, tokens_q, tokens_kv):
+    """A packed batch's tile `entry` (`Tiles` rows: sequence, block): its sequence, the first row
+    of its block, and the sequence's first query and key rows and lengths, held in `at[0..5]`.
+    The offsets are clamped to the batch's tokens, so that bad ones read no row outside it."""
+    seq = _hold(at, 0, Tiles[entry, 0])
+    start = _hold(at, 1, Tiles[entry, 1] * block)
+    q_row0 = _hold(at, 2, T.min(CuQ[seq], tokens_q))
+    seqlen_q = _hold(at, 3, T.min(T.max(CuQ[seq + 1], q_row0), tokens_q) - q_row0)
+    kv_row0 = _hold(at, 4, T.min(CuKV[seq], tokens_kv))
+    seqlen_kv = _hold(at, 5, T.min(T.max(CuKV[seq + 1], kv_row0), tokens_kv) - kv_row0)
+    return seq, start, q_row0, seqlen_q, kv_row0, seqlen_kv
+
+
 def _hold(at, i: int, value):
     """Store `value` in register `at[i]` (a list's item on the host) and read it back."""
     if isinstance(at, list):
@@ -509,13 +522,8 @@ def ragged_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dty
                 with T.ws_op("bounds"):
                     item = ids + t * ctas if ctas else ids
                     head = item % heads_q
-                    seq = _hold(at, 0, Tiles[item // heads_q, 0])
-                    q0 = _hold(at, 1, Tiles[item // heads_q, 1] * block_M)
-                    q_row0 = _hold(at, 2, T.min(CuQ[seq], tokens_q))
-                    seqlen_q = _hold(at, 3, T.min(T.max(CuQ[seq + 1], q_row0), tokens_q) - q_row0)
-                    kv_row0 = _hold(at, 4, T.min(CuKV[seq], tokens_kv))
-                    seqlen_kv = _hold(at, 5, T.min(T.max(CuKV[seq + 1], kv_row0), tokens_kv)
-                                      - kv_row0)
+                    seq, q0, q_row0, seqlen_q, kv_row0, seqlen_kv = ragged_bounds(
+                        at, Tiles, item // heads_q, block_M, CuQ, CuKV, tokens_q, tokens_kv)
                     kv_head = head // group
                     n_blocks = T.if_then_else(
                         q0 < seqlen_q,
