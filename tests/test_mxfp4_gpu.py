@@ -156,7 +156,15 @@ PACKED_CASES = [  # (M, N, K, config overrides): defaults (split-K), odd M, 64-d
     (16, 8192, 8192, {"split_k": 2, "cluster_sum": 1}),
     (5, 4096, 14336, {"split_k": 8, "cluster_sum": 1, "block_K": 128}),
     (33, 6144, 4096, {"split_k": 4, "cluster_sum": 1, "block_N": 128, "block_K": 128,
-                      "ctas_per_sm": 1})]
+                      "ctas_per_sm": 1}),
+    # no producer warpgroup: the consumers load by cp.async, four to six CTAs an SM
+    (16, 8192, 8192, {"producer": 0, "ctas_per_sm": 4, "num_stages": 3}),
+    (7, 6144, 4096, {"producer": 0, "ctas_per_sm": 6, "block_K": 128, "split_k": 2,
+                     "cluster_sum": 1}),
+    (33, 4096, 14336, {"producer": 0, "ctas_per_sm": 4, "block_M": 32, "block_N": 128,
+                       "block_K": 128, "num_stages": 3}),
+    (64, 2880, 2880, {"producer": 0, "ctas_per_sm": 3, "block_M": 64, "block_K": 64,
+                      "split_k": 1})]
 
 
 @pytest.mark.parametrize(("M", "N", "K", "overrides"), PACKED_CASES)

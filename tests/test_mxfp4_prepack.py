@@ -146,6 +146,21 @@ def test_shared_sms_cap_registers_without_setmaxnreg():
     assert "registers" in MXFP4_GEMM_PACKED.check_config(problem, config, H200)  # 256-deep
 
 
+def test_without_a_producer_four_ctas_of_one_warpgroup_share_an_sm():
+    """producer 0: no TMA producer warpgroup (TileLang warp-specialises only TMA pipelines), the
+    consumers load each stage by cp.async, and a CTA's 128 threads get 128 registers at four
+    CTAs an SM, where a producer's warpgroup would halve them."""
+    src = source(16, 8192, 8192, producer=0, ctas_per_sm=4, num_stages=3)
+    assert "__launch_bounds__(128, 4)" in src and "reg_alloc" not in src
+    loop = src[src.index("for (int k"):]
+    assert "cp_async_gs" in loop and "tma_load" not in src
+    problem = MXFP4_GEMM_PACKED.parse_problem("16x8192x8192", "bfloat16")
+    config = {**MXFP4_GEMM_PACKED.default_config(problem, H200), "ctas_per_sm": 4,
+              "num_stages": 3}
+    assert "registers" in MXFP4_GEMM_PACKED.check_config(problem, config, H200)  # a producer
+    assert MXFP4_GEMM_PACKED.check_config(problem, {**config, "producer": 0}, H200) is None
+
+
 def test_default_splits_k_by_any_divisor_of_its_steps():
     """gpt-oss's K = 2880 is 15 steps of 192: split by 3, not walked in 45 steps of 64."""
     problem = MXFP4_GEMM_PACKED.parse_problem("1x5760x2880", "bfloat16")

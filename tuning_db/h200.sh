@@ -10,7 +10,8 @@
 #
 # OP SLICE: gemm decode (M = 1, 16), gemm m64, gemm prefill (M = 256 ... 8192), mxfp4_gemm decode
 # (M = 1 ... 64), mxfp4_gemm prefill (M = 256 ... 4096), mxfp4_gemm_packed decode (M = 1, 16:
-# the prepacked weight), mxfp4_gemm_packed m64, attention all (grid), attention_varlen all (grid),
+# the prepacked weight), mxfp4_gemm_packed decode_p0 (the same without a producer warpgroup),
+# mxfp4_gemm_packed m64 and m64_p0, attention all (grid), attention_varlen all (grid),
 # attention_paged all (grid), attention_backward all (grid, over the attention suite),
 # attention_varlen_backward all (grid, over the attention_varlen suite), mla_decode all (TPE): the whole suites; mla_decode seesaw: the suite over the seesaw schedule's points
 # (after `all`: a record it does not beat stays). A stopped slice resumes where it stopped (the
@@ -31,11 +32,12 @@ H200='{"kind": "cuda", "arch": "sm_90a", "device": "NVIDIA H200", "units": 132}'
 # (N, K) of the Llama-3-8B and -70B projections, shared by the GEMM and MXFP4 suites.
 NK="6144x4096 4096x4096 28672x4096 4096x14336 10240x8192 8192x8192 57344x8192 8192x28672"
 SLICES="gemm:decode gemm:m64 gemm:prefill mxfp4_gemm:decode mxfp4_gemm:prefill
-  mxfp4_gemm_packed:decode mxfp4_gemm_packed:m64 attention:all attention_varlen:all
+  mxfp4_gemm_packed:decode mxfp4_gemm_packed:decode_p0 mxfp4_gemm_packed:m64
+  mxfp4_gemm_packed:m64_p0 attention:all attention_varlen:all
   attention_paged:all attention_backward:all attention_varlen_backward:all mla_decode:all
   mla_decode:seesaw"
 
-usage() { sed -n '2,22p' "$0"; exit 2; }
+usage() { sed -n '2,23p' "$0"; exit 2; }
 
 slice() {  # sets ms, space, sampler, trials, extra for OP SLICE
   sampler=grid trials=64 space= extra=() dtype=$DTYPE suite=$1
@@ -69,12 +71,21 @@ slice() {  # sets ms, space, sampler, trials, extra for OP SLICE
       # one or two 64-row groups per CTA; one CTA per SM never won here
       ms="1 16"; dtype=bfloat16; space='{"block_M": [16], "block_N": [64, 128],
         "block_K": [128, 256], "num_stages": [4], "threads": [128], "split_k": [1, 2, 4],
-        "ctas_per_sm": [2, 3], "cluster_sum": [0, 1]}' ;;
+        "ctas_per_sm": [2, 3], "cluster_sum": [0, 1], "producer": [1]}' ;;
+    mxfp4_gemm_packed:decode_p0)  # no producer warpgroup: four or five one-warpgroup CTAs an
+      # SM loading by cp.async (after `decode`; 56 points; one 64-row group: NOTES.md)
+      ms="1 16"; dtype=bfloat16; space='{"block_M": [16], "block_N": [64],
+        "block_K": [128, 256], "num_stages": [2, 3, 4], "threads": [128],
+        "split_k": [1, 2, 4, 8], "ctas_per_sm": [4, 5], "cluster_sum": [0, 1], "producer": [0]}' ;;
     mxfp4_gemm_packed:m64)
       # 64-deep steps: two 64-row groups of 64 tokens fit two CTAs an SM (never won: NOTES.md)
       ms="64"; dtype=bfloat16; space='{"block_M": [64], "block_N": [64, 128],
         "block_K": [64, 128, 256], "num_stages": [4], "threads": [128], "split_k": [1, 2, 4],
-        "ctas_per_sm": [1, 2], "cluster_sum": [0, 1]}' ;;
+        "ctas_per_sm": [1, 2], "cluster_sum": [0, 1], "producer": [1]}' ;;
+    mxfp4_gemm_packed:m64_p0)  # as decode_p0, 64 tokens: 128-deep steps, three or four CTAs
+      ms="64"; dtype=bfloat16; space='{"block_M": [64], "block_N": [64], "block_K": [128],
+        "num_stages": [2, 3], "threads": [128], "split_k": [1, 2, 4, 8], "ctas_per_sm": [3, 4],
+        "cluster_sum": [0, 1], "producer": [0]}' ;;
     mxfp4_gemm:prefill)  # the weight decoded once, then the GEMM loop
       ms="256 1024 4096"; dtype=bfloat16; space='{"block_M": [64, 128], "block_N": [128, 256],
         "block_K": [64], "num_stages": [3, 4], "threads": [128, 256], "dequant": ["global"],

@@ -88,15 +88,16 @@ __device__ __forceinline__ void tileops_mxfp4_rs_decode(int atoms, void* out,
 """
 
 
-def thread_regs(ctas_per_sm: int) -> int:
-    """Registers per thread when `ctas_per_sm` CTAs of two warpgroups (TMA producer, consumer)
-    share an SM's 64K: the cap `__launch_bounds__` puts on the kernel."""
-    return min(255, 65536 // (256 * ctas_per_sm) // 8 * 8)
+def thread_regs(ctas_per_sm: int, producer: int = 1) -> int:
+    """Registers per thread when `ctas_per_sm` CTAs share an SM's 64K, each of one consumer
+    warpgroup and, `producer` 1, a TMA producer warpgroup: the cap `__launch_bounds__` puts on
+    the kernel."""
+    return min(255, 65536 // (128 * (1 + producer) * ctas_per_sm) // 8 * 8)
 
 
 def packed_program(N: int, K: int, dtype: str, *, block_M: int, block_K: int, num_stages: int,
                    threads: int, block_N: int = 64, split_k: int = 1, ctas_per_sm: int = 1,
-                   cluster_sum: int = 0):
+                   cluster_sum: int = 0, producer: int = 1):
     """The prepacked weight's kernel (Hopper): C^T = W X^T with the weight decoded in registers
     as wgmma's A operand and never written back to shared memory. block_M tokens ride wgmma's N
     side; the block_N weight rows are one or two groups of 64, one 16-row atom row of each per
@@ -107,7 +108,10 @@ def packed_program(N: int, K: int, dtype: str, *, block_M: int, block_K: int, nu
     the splits of a tile as one cluster (`gpu_tiles.sum_in_cluster`).
     `ctas_per_sm` > 1 caps registers (`thread_regs`) so that CTAs share an SM: one CTA's decode
     runs while another's wgmma and loads are in flight. No setmaxnreg then: a consumer growing
-    past its share would wait forever for registers wherever ptxas allotted the kernel fewer."""
+    past its share would wait forever for registers wherever ptxas allotted the kernel fewer.
+    `producer` 0 drops the TMA producer warpgroup: the consumers issue each stage's loads as
+    cp.async themselves, so that a CTA is one warpgroup and four fit an SM at 128 registers
+    (eight consumer warps an SM with the producer, sixteen without)."""
     M = T.dynamic("m")
     group = threads // 32 * ATOM_ROWS  # weight rows one wgmma takes: an atom row per warp
     two = block_N == 2 * group  # check_config: block_N is one group or two
@@ -116,6 +120,8 @@ def packed_program(N: int, K: int, dtype: str, *, block_M: int, block_K: int, nu
     partial = split_k > 1
     cluster = partial and cluster_sum == 1
     launch = {"cluster_dims": (1, 1, split_k)} if cluster else {}
+    # Without TMA loads in the pipeline TileLang does not warp-specialise it.
+    loads = None if producer else {"disable_tma": True}
 
     @T.macro
     def decode(W_s, S_s, fragment, row, lane):
@@ -150,9 +156,9 @@ def packed_program(N: int, K: int, dtype: str, *, block_M: int, block_K: int, nu
                 T.clear(C_g)
             for k in T.Pipelined(k_steps, num_stages=num_stages):
                 ko = bz * k_steps + k
-                T.copy(A[by * block_M, ko * block_K], A_s)
-                T.copy(Wp[bx * (block_N // ATOM_ROWS), ko * atoms * 128], W_s)
-                T.copy(Sp[bx * (block_N // ATOM_ROWS), ko * atoms * 32], S_s)
+                T.copy(A[by * block_M, ko * block_K], A_s, annotations=loads)
+                T.copy(Wp[bx * (block_N // ATOM_ROWS), ko * atoms * 128], W_s, annotations=loads)
+                T.copy(Sp[bx * (block_N // ATOM_ROWS), ko * atoms * 32], S_s, annotations=loads)
                 decode(W_s, S_s, B_f, warp, lane)
                 T.gemm(B_f, A_s, C_f, transpose_B=True)
                 if two:

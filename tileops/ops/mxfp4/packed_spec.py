@@ -56,7 +56,7 @@ def _cuda_default(problem: Mxfp4Problem, target: Target, space: Space) -> Config
     block_M = min(max(problem.M, 16), 64)
     ctas = 2 if block_M <= 32 else 1
     return {"block_M": block_M, "block_N": 64, "block_K": block_K, "num_stages": 4, "threads": 128,
-            "ctas_per_sm": ctas, "cluster_sum": 0,
+            "ctas_per_sm": ctas, "cluster_sum": 0, "producer": 1,
             "split_k": decode_split_k(problem.N, problem.K, 64, block_K, target.units or 132,
                                       powers_of_two=False)}
 
@@ -79,13 +79,15 @@ def _check_cuda(problem: Mxfp4Problem, config: Config, target: Target) -> str | 
     if config["cluster_sum"] and (not 1 < split <= 8 or bm % split):
         return (f"cluster_sum takes 2-8 K splits (a portable cluster) dividing the {bm} tokens, "
                 f"not {split}")
-    stages, ctas = config["num_stages"], config.get("ctas_per_sm", 1)
+    stages, ctas, producer = config["num_stages"], config["ctas_per_sm"], config["producer"]
     weight = bn * bk // 2 + bn * bk // BLOCK * 2  # a K step's words and scales
-    smem = stages * (bm * bk * 2 + weight) + bm * bn * 4
+    staged = stages * (bm * bk * 2 + weight)
+    # The output tile: beside the stages with the producer, over them without (the lowered code)
+    smem = staged + bm * bn * 4 if producer else max(staged, bm * bn * 4)
     limit = smem_limit(target.arch)
     if ctas * (smem + 1024) > limit + 1024:  # an SM: the block limit + 1 KiB, 1 KiB per block
         return f"shared memory {ctas} x {smem // 1024} KiB > {limit // 1024} KiB"
-    regs = packed_kernels.thread_regs(ctas)  # fragment + accumulators + ~40 (in the SASS)
+    regs = packed_kernels.thread_regs(ctas, producer)  # fragment + accumulators + ~40 (SASS)
     if bk // 4 + bm * bn // 128 + 40 > regs:
         return (f"{ctas} CTAs per SM leave {regs} registers per thread, too few for a "
                 f"{bk}-deep decoded fragment and {bm} tokens")
