@@ -22,13 +22,6 @@ from tileops.ops.attention import ATTENTION_BACKWARD, ATTENTION_VARLEN_BACKWARD
 from tileops.ops.attention.backward import attention_grads
 from tileops.ops.attention.varlen_backward import per_sequence_grads
 
-# The packed backward's sm_90 kernel lowers (`test_sm90a_codegen_packed_backward`) but is not
-# served until its GPU tests pass on the H200 (`varlen_backward`'s `unsupported`); meanwhile
-# they skip, and a call that would need it is refused.
-PACKED_REFUSED = ATTENTION_VARLEN_BACKWARD.unsupported_reason(H200) is not None
-PACKED_CUDA = pytest.mark.skipif(PACKED_REFUSED, reason="the packed backward is not served on "
-                                                        "sm_90 yet")
-
 CPU = torch.device("cpu")
 
 
@@ -267,7 +260,7 @@ def test_varlen_cpu_gradients_match_float64(lq, lkv, Hq, Hkv, causal, dtype):
 
 
 @pytest.mark.parametrize(("device", "dtype"), [
-    ("cpu", torch.float32), pytest.param("cuda", torch.bfloat16, marks=[pytest.mark.gpu, PACKED_CUDA])])
+    ("cpu", torch.float32), pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu)])
 def test_varlen_gradients_under_torch_compile(device, dtype):
     q, k, v, cu_q, cu_k, mq, mk = packed([20, 130], [20, 130], 4, 2, 64, dtype,
                                          torch.device(device))
@@ -320,7 +313,7 @@ def varlen_grads(lq, lkv, Hq, Hkv, D, causal, dtype, device, spare_keys=0, lse_w
     return got, ref, (cu_q.tolist(), cu_k.tolist())
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, PACKED_CUDA])])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_varlen_nan_in_one_sequence_stays_there_backward(device):
     """A tile's rows past its sequence are the next sequence's: a NaN among them must not reach
     this sequence's gradients through a product with zero (0 * NaN)."""
@@ -363,17 +356,6 @@ def test_sm90a_codegen_packed_backward():
     assert "sm_90" in ATTENTION_VARLEN_BACKWARD.unsupported_reason(A100)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not PACKED_REFUSED, reason="the packed backward is served on sm_90")
-def test_varlen_cuda_inputs_requiring_grad_are_refused_while_unserved():
-    q, k, v, cu_q, cu_k, mq, mk = packed([50, 14], [50, 14], 2, 2, 128, torch.bfloat16,
-                                         torch.device("cuda"))
-    with pytest.raises(RuntimeError, match="has no backward: q requires grad"):
-        tileops.flash_attention_varlen(q, k, v, cu_q, cu_k, mq, mk)
-    with torch.no_grad():
-        assert tileops.flash_attention_varlen(q, k, v, cu_q, cu_k, mq, mk).isfinite().all()
-
-
 VARLEN_GPU_CASES = [  # (query lengths, key lengths, heads_q, heads_kv, head_dim, causal, dtype)
     ([1000, 1, 129, 4097, 37], [1000, 1, 129, 4097, 37], 16, 4, 128, True, torch.bfloat16),
     ([1000, 1, 129, 4097, 37], [1000, 1, 129, 4097, 37], 16, 4, 128, False, torch.float16),
@@ -382,7 +364,6 @@ VARLEN_GPU_CASES = [  # (query lengths, key lengths, heads_q, heads_kv, head_dim
 ]
 
 
-@PACKED_CUDA
 @pytest.mark.gpu
 @pytest.mark.parametrize("host_offsets", [False, True])
 @pytest.mark.parametrize(("lq", "lkv", "Hq", "Hkv", "D", "causal", "dtype"), VARLEN_GPU_CASES)
@@ -395,7 +376,6 @@ def test_varlen_cuda_gradients_match_float64(lq, lkv, Hq, Hkv, D, causal, dtype,
     assert not got[1][-5:].any() and not got[2][-5:].any()  # the spare keys: zero gradients
 
 
-@PACKED_CUDA
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [
     {"block_M": 64, "block_N": 128, "num_stages": 2, "threads": 256, "overlap": 2},
@@ -409,7 +389,6 @@ def test_varlen_cuda_configs_write_every_element(config):
                                  {"tokens_q": 3001, "tokens_kv": 3001})
 
 
-@PACKED_CUDA
 @pytest.mark.gpu
 def test_varlen_cuda_backward_graph_replays_new_lengths():
     """The KV-block list is made on the device: a captured backward replays other lengths of
@@ -440,7 +419,6 @@ def test_varlen_cuda_backward_graph_replays_new_lengths():
         assert rel_error(a, r) < 2e-2, name
 
 
-@PACKED_CUDA
 @pytest.mark.gpu
 def test_varlen_cuda_backward_matches_flash_attn_baseline():
     cuda = torch.device("cuda")
@@ -452,7 +430,6 @@ def test_varlen_cuda_backward_matches_flash_attn_baseline():
         assert rel_error(g, b) < 2e-2
 
 
-@PACKED_CUDA
 @pytest.mark.gpu
 def test_varlen_cuda_head_dim_256_backward_is_refused_clearly():
     q, k, v, cu_q, cu_k, mq, mk = packed([50, 14], [50, 14], 2, 2, 256, torch.bfloat16,

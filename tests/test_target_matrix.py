@@ -61,8 +61,7 @@ MATRIX = {
     "attention":  (LOWERS, LOWERS,  LOWERS,  REFUSED, REFUSED),
     "attention_varlen": (LOWERS, REFUSED, REFUSED, REFUSED, REFUSED),  # TMA, async wgmma: sm_90
     "attention_backward": (LOWERS, REFUSED, REFUSED, REFUSED, REFUSED),  # TMA reduce-add: sm_90
-    "attention_varlen_backward": (REFUSED, REFUSED, REFUSED, REFUSED, REFUSED),  # sm_90: lowers,
-    # not served until its GPU tests pass (test_attention_backward's codegen test lowers it)
+    "attention_varlen_backward": (LOWERS, REFUSED, REFUSED, REFUSED, REFUSED),  # as the dense one
     "attention_paged": (LOWERS, REFUSED, REFUSED, REFUSED, REFUSED),
     "mla_decode": (LOWERS, REFUSED, REFUSED, REFUSED, REFUSED),
 }

@@ -93,14 +93,7 @@ class AttentionVarlenBackwardSpec(AttentionVarlenSpec):
     products = 5  # S, dP, dV, dK, dQ (FlashAttention's count: 2.5x the forward's FLOPs)
     unsupported = {"metal": f"{_WHO} has no Metal kernel",
                    "hip": f"{_WHO} has no HIP kernel",
-                   **{f"cuda:sm_{major}": _NOT_HOPPER for major in (5, 6, 7, 8, 1)},
-                   # Built and lowered (backward_kernels.ragged_gpu_program), not yet served: on
-                   # the H200 it stopped with an illegal instruction at odd offsets (2026-12-05),
-                   # an unaligned TMA box of the statistics since fixed; served once its GPU
-                   # tests pass there.
-                   "cuda:sm_9": f"{_WHO}: its sm_90 kernel has not passed its GPU tests yet; "
-                                "differentiate the dense flash_attention, or call "
-                                "flash_attention_varlen under torch.no_grad()"}
+                   **{f"cuda:sm_{major}": _NOT_HOPPER for major in (5, 6, 7, 8, 1)}}
 
     def prepare(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
