@@ -2,7 +2,7 @@
 static count of the SASS instructions that decide its speed.
 
     python benchmarks/sass.py --op attention --shape 8x4096x32x128 [--config JSON]
-        [--dtype bfloat16] [--arch sm_90a] [--dump FILE.sass]
+        [--dtype bfloat16] [--arch sm_90a] [--dump FILE.sass] [--source FILE.cu]
 
 The program is built from the operator's spec (its default configuration, or --config merged
 over it), lowered by TileLang and compiled by the same nvcc call TileLang makes (same flags, fast
@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default="{}", help="JSON merged over the default configuration")
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--dump", type=Path, help="write the SASS here")
+    ap.add_argument("--source", type=Path, help="write the CUDA source TileLang generated here")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = ap.parse_args(argv)
 
@@ -161,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     if reason := spec.check_config(problem, config, target):
         sys.exit(f"configuration refused: {reason}")
     source = build_source(spec, problem, config, target)
+    if args.source:
+        args.source.write_text(source)
     sass, resources = disassemble(compile_cubin(source, target, spec.fast_math))
     if args.dump:
         args.dump.write_text(sass)

@@ -164,7 +164,11 @@ PACKED_CASES = [  # (M, N, K, config overrides): defaults (split-K), odd M, 64-d
     (33, 4096, 14336, {"producer": 0, "ctas_per_sm": 4, "block_M": 32, "block_N": 128,
                        "block_K": 128, "num_stages": 3}),
     (64, 2880, 2880, {"producer": 0, "ctas_per_sm": 3, "block_M": 64, "block_K": 64,
-                      "split_k": 1})]
+                      "split_k": 1}),
+    # 16 tokens where M <= 8 fits in 8 (the defaults above take 8 there)
+    (16, 4096, 4096, {"block_M": 16}),
+    (3, 8192, 8192, {"block_M": 8, "producer": 0, "ctas_per_sm": 4, "num_stages": 2,
+                     "split_k": 2, "cluster_sum": 1})]
 
 
 @pytest.mark.parametrize(("M", "N", "K", "overrides"), PACKED_CASES)

@@ -132,7 +132,7 @@ def test_cluster_sum_adds_the_splits_in_one_kernel():
     assert src.count("tileops_cluster_load(") == 4 + 1  # four ranks, and the definition
     problem = MXFP4_GEMM_PACKED.parse_problem("8x2880x2880", "bfloat16")  # 15 steps split by 3
     config = {**MXFP4_GEMM_PACKED.default_config(problem, H200), "cluster_sum": 1}
-    assert "dividing the 16 tokens" in MXFP4_GEMM_PACKED.check_config(problem, config, H200)
+    assert "dividing the 8 tokens" in MXFP4_GEMM_PACKED.check_config(problem, config, H200)
     assert MXFP4_GEMM_PACKED.check_config(problem, {**config, "cluster_sum": 0}, H200) is None
 
 

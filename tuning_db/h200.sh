@@ -67,14 +67,15 @@ slice() {  # sets ms, space, sampler, trials, extra for OP SLICE
         "block_K": [256, 512], "num_stages": [2, 3], "threads": [128], "dequant": ["bits", "reg"],
         "swizzle": [0], "split_k": [1, 4], "swap_ab": [1], "ctas_per_sm": [1]}' ;;
     mxfp4_gemm_packed:decode)  # the prepacked weight, decoded in the registers that feed wgmma;
+      # 8 tokens a CTA at M = 1 (refused at 16),
       # CTAs sharing an SM (benchmarks/NOTES.md: 3 stages or 5 within 2% of 4)
       # one or two 64-row groups per CTA; one CTA per SM never won here
-      ms="1 16"; dtype=bfloat16; space='{"block_M": [16], "block_N": [64, 128],
+      ms="1 16"; dtype=bfloat16; space='{"block_M": [8, 16], "block_N": [64, 128],
         "block_K": [128, 256], "num_stages": [4], "threads": [128], "split_k": [1, 2, 4],
         "ctas_per_sm": [2, 3], "cluster_sum": [0, 1], "producer": [1]}' ;;
     mxfp4_gemm_packed:decode_p0)  # no producer warpgroup: four or five one-warpgroup CTAs an
       # SM loading by cp.async (after `decode`; 56 points; one 64-row group: NOTES.md)
-      ms="1 16"; dtype=bfloat16; space='{"block_M": [16], "block_N": [64],
+      ms="1 16"; dtype=bfloat16; space='{"block_M": [8, 16], "block_N": [64],
         "block_K": [128, 256], "num_stages": [2, 3, 4], "threads": [128],
         "split_k": [1, 2, 4, 8], "ctas_per_sm": [4, 5], "cluster_sum": [0, 1], "producer": [0]}' ;;
     mxfp4_gemm_packed:m64)

@@ -51,9 +51,10 @@ def _cpu_default(problem: Mxfp4Problem, target: Target, space: Space) -> Config:
 def _cuda_default(problem: Mxfp4Problem, target: Target, space: Space) -> Config:
     """One consumer warpgroup (64 weight rows), the deepest K step up to 256 that divides K, in
     four stages, two CTAs per SM up to 32 tokens and the K splits (any divisor of the steps)
-    that fill them; the tokens ride wgmma's N side."""
+    that fill them; the tokens ride wgmma's N side, 8 of them up to M = 8 (half the activation
+    stage of 16: 1-3% faster at M = 1 on an H100, benchmarks/NOTES.md)."""
     block_K = next(bk for bk in (256, 192, 128, ATOM_K) if problem.K % bk == 0)
-    block_M = min(max(problem.M, 16), 64)
+    block_M = 8 if problem.M <= 8 else min(max(problem.M, 16), 64)
     ctas = 2 if block_M <= 32 else 1
     return {"block_M": block_M, "block_N": 64, "block_K": block_K, "num_stages": 4, "threads": 128,
             "ctas_per_sm": ctas, "cluster_sum": 0, "producer": 1,
