@@ -96,8 +96,10 @@ def check_decode_knobs(M: int, K: int, config: dict, arch: str, min_block_M: int
         return f"no layout of {threads // 32} mma warps covers the swapped {bn}x{bm} tile"
     if swap and bm * bn * 4 > smem_limit(arch):  # the transposing epilogue tile (fp32)
         return f"swap_ab epilogue tile {bm * bn * 4 // 1024} KiB > {smem_limit(arch) // 1024} KiB"
-    if bm > max(M, 16 if swap else min_block_M) or (swap and bm < 16 and M > bm):
+    if bm > max(M, 16 if swap else min_block_M):
         return f"block_M {bm} is more rows than M <= {M} needs"
+    if swap and bm < 16 and bm < M:  # a second token tile would stream the weight again
+        return f"block_M {bm} below 16 only where M <= {bm} (M = {M})"
     if split > 1:
         k_steps = -(-K // bk)
         if M > 256:
