@@ -87,6 +87,28 @@ def test_attention_pingpong_hands_over_between_the_two_consumer_warpgroups():
     assert "pingpong" in ATTENTION.check_config(problem, overlapped, H200)
 
 
+@pytest.mark.parametrize("persistent", [0, 1])
+def test_warp_specialised_pingpong_takes_turns_around_both_products(persistent):
+    problem = ATTENTION.Problem(8, 4096, 4096, 32, 8, 128, True, "bfloat16")
+    config = {"block_M": 128, "block_N": 128, "num_stages": 2, "threads": 256, "overlap": 2,
+              "pingpong": 1, "persistent": persistent}
+    assert ATTENTION.check_config(problem, config, H200) is None
+    src = lower(ATTENTION.build(problem, config, H200), H200).kernel_source
+    consumer = src[src.index("warpgroup_reg_alloc<240>"):]
+    # warpgroup 1 (threads 256-383) lets warpgroup 0 go first, once: not folded away
+    assert consumer.count("__named_barrier_arrive(8, 256)") == 1
+    assert consumer.index("__named_barrier_arrive(8, 256)") < consumer.index("wgmma_ss")
+    loop = consumer[consumer.index("for (int kb_1 = 1;"):]
+    # in the steady state: my turn, Q K^T of this block, P V of the last, hand over, then the
+    # softmax's wait for Q K^T alone
+    turn = loop.index("__sync_thread_partial(((((int)threadIdx.x) >> 7) + 7), 256)")
+    hand_over = loop.index("__named_barrier_arrive((10 - (((int)threadIdx.x) >> 7)), 256)")
+    assert turn < loop.index("wgmma_ss") < loop.index("wgmma_rs") < hand_over < loop.index(
+        "wait_wgmma<1>")
+    assert "pingpong" in ATTENTION.check_config(problem, {**config, "threads": 128,
+                                                          "block_M": 64}, H200)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_attention_compiles_with_nvcc():
     problem = ATTENTION.Problem(1, 4096, 4096, 32, 8, 128, True, "bfloat16")

@@ -48,7 +48,9 @@ def test_attention_cuda(B, Sq, Skv, Hq, Hkv, D, causal, dtype):
 SCHEDULES = pytest.mark.parametrize("schedule", [
     {}, {"pingpong": 1}, {"overlap": 1}, {"overlap": 2}, {"overlap": 2, "persistent": 1},
     {"overlap": 2, "block_M": 128, "block_N": 176, "num_stages": 1, "threads": 256},
-], ids=["default", "pingpong", "overlap", "ws_overlap", "persistent", "ws_overlap_176"])
+    {"overlap": 2, "pingpong": 1}, {"overlap": 2, "pingpong": 1, "persistent": 1},
+], ids=["default", "pingpong", "overlap", "ws_overlap", "persistent", "ws_overlap_176",
+        "ws_pingpong", "persistent_pingpong"])
 
 
 def compiled(problem, schedule):

@@ -154,7 +154,7 @@ def gpu_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype:
     if overlap == 2:
         return ws_overlap_program(heads_q, heads_kv, head_dim, causal, dtype, block_M=block_M,
                                   block_N=block_N, num_stages=num_stages, threads=threads,
-                                  ctas=units if persistent else 0)
+                                  ctas=units if persistent else 0, pingpong=pingpong)
     batch, seqlen_q, seqlen_kv = T.dynamic("batch"), T.dynamic("seqlen_q"), T.dynamic("seqlen_kv")
     # AMD MFMA K packing (the hip space varies it) for Q K^T; P V keeps the default, since a packed
     # layout of the scores would not match the one P needs as a register operand.
@@ -293,10 +293,13 @@ def _hold(at, i: int, value):
 
 
 def _ws_overlap_schedule(consumer_warps: int, Q_s, K_s, V_s, num_stages: int,
-                         zero_tail: bool = False):
+                         zero_tail: bool = False, pingpong: bool = False):
     """`ws_overlap_program`'s roles, pipelines and the order of its named steps: the KV loop
     inside the loop over the CTA's tiles (one tile, unless persistent). `zero_tail`: the
-    "zero_v" step of `_ws_overlap_tile` between V's wait and its product."""
+    "zero_v" step of `_ws_overlap_tile` between V's wait and its product. `pingpong`: the
+    "turn" and "hand_over" steps around a warpgroup's two products, and "ready" before its
+    first tile (`_ws_overlap_tile`)."""
+    turn, hand_over, ready = (["turn"], ["hand_over"], ["ready"]) if pingpong else ([], [], [])
     return T.WSSchedule(
         num_warps=4 + consumer_warps,
         roles=[T.WSRole("Producer", warps_lo=0, warps_hi=1, max_nreg=24),
@@ -310,9 +313,9 @@ def _ws_overlap_schedule(consumer_warps: int, Q_s, K_s, V_s, num_stages: int,
                              T.WSSync.producer_commit("k"),
                              T.WSSync.producer_acquire("v"), "load_v",
                              T.WSSync.producer_commit("v")],
-                "Consumer": [T.WSSync.consumer_wait("k", stage=1), "qk",
+                "Consumer": [T.WSSync.consumer_wait("k", stage=1), *turn, "qk",
                              T.WSSync.consumer_wait("v", stage=2),
-                             *(["zero_v"] if zero_tail else []), "pv", "wait_qk",
+                             *(["zero_v"] if zero_tail else []), "pv", *hand_over, "wait_qk",
                              T.WSSync.consumer_release("k", stage=1), "mask", "softmax",
                              "wait_pv", T.WSSync.consumer_release("v", stage=2), "rescale",
                              "cast"],
@@ -320,7 +323,7 @@ def _ws_overlap_schedule(consumer_warps: int, Q_s, K_s, V_s, num_stages: int,
             T.WSScope("tiles", {
                 "Producer": ["bounds", T.WSSync.producer_acquire("q"), "load_q",
                              T.WSSync.producer_commit("q"), "kv"],
-                "Consumer": ["bounds", "init", T.WSSync.consumer_wait("q"), "kv",
+                "Consumer": ["bounds", *ready, "init", T.WSSync.consumer_wait("q"), "kv",
                              T.WSSync.consumer_release("q"), "final"],
             }),
             T.WSScope(T.WSScope.ROOT, {"Producer": ["tiles"], "Consumer": ["tiles"]}),
@@ -367,7 +370,7 @@ def zero_rows_past(A, start, length, threads: int):
 @T.macro
 def _ws_overlap_tile(Q, K, V, O, LSE, buffers, b, head, kv_block, q_row0, q0, seqlen_q,
                      seqlen_kv, n_blocks, n_full, causal: bool, scale, num_stages: int,
-                     zero_tail: int = 0):
+                     zero_tail: int = 0, turn=None):
     """One query block of `ws_overlap_program`, after its "bounds": Q, the KV loop, the store.
     q_row0 is where the block's sequence starts in a packed batch (b None), 0 in a dense one;
     kv_block(buf, kb) the rows of KV block kb in K or V.
@@ -376,7 +379,11 @@ def _ws_overlap_tile(Q, K, V, O, LSE, buffers, b, head, kv_block, q_row0, q0, se
     are not zeros from past the tensor but another sequence's rows or stale cache rows, which may
     hold NaN or Inf; their scores are masked, but P V would still carry 0 * NaN into every row.
     So before that product the consumers zero those V rows in shared memory (the producer's TMA
-    cannot predicate rows)."""
+    cannot predicate rows).
+
+    `turn` (the barriers `_pingpong_turns` gives, or None): a consumer warpgroup issues its two
+    products only in its turn and then hands the tensor cores to the other, so that one
+    warpgroup's softmax runs under the other's products (FlashAttention-3's scheduler barrier)."""
     (Q_s, K_s, V_s, O_s, S, P, acc, m, m_prev, m_safe, alpha, l,  # noqa: E741
      row_sum) = buffers
     block_M, block_N = S.shape
@@ -390,6 +397,9 @@ def _ws_overlap_tile(Q, K, V, O, LSE, buffers, b, head, kv_block, q_row0, q0, se
     for kb in T.Pipelined(n_blocks, num_stages=num_stages, annotations={T.WSID: "kv"}):
         T.copy(kv_block(K, kb), K_s, annotations={T.WSID: "load_k"})
         T.copy(kv_block(V, kb), V_s, annotations={T.WSID: "load_v"})
+        if turn is not None:
+            with T.ws_op("turn"):
+                T.sync_threads(turn[0], 256)
         with T.ws_op("qk"):
             T.fill(S, 0)
             T.wgmma_gemm(Q_s, K_s, S, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
@@ -400,6 +410,9 @@ def _ws_overlap_tile(Q, K, V, O, LSE, buffers, b, head, kv_block, q_row0, q0, se
                 zero_rows_past(V_s, kb * block_N, seqlen_kv, zero_tail)
         T.wgmma_gemm(P, V_s, acc, policy=T.GemmWarpPolicy.FullRow,
                      annotations={T.WSID: "pv"})
+        if turn is not None:
+            with T.ws_op("hand_over"):
+                T.named_barrier_arrive(turn[1], 256)
         with T.ws_op("wait_qk"):  # P V of kb - 1 goes on (none is in flight at kb 0)
             if kb == 0:
                 T.wait_wgmma(0)
@@ -425,6 +438,25 @@ def _ws_overlap_tile(Q, K, V, O, LSE, buffers, b, head, kv_block, q_row0, q0, se
             _store(acc, l, m, O_s, O, LSE, b, head, q0, seqlen_q, scale)
 
 
+def _pingpong_turns():
+    """(this consumer warpgroup's barrier, the other's, a register holding the warpgroup) in a
+    hand-written schedule, whose two consumer warpgroups follow the producer's (threads
+    128-383). The launch declares the consumers' threads only, so TileLang takes the thread
+    index below 256 and folds a test of it for warpgroup 1 to false; a register's it cannot."""
+    wg = T.get_thread_binding() // 128 - 1
+    return _PINGPONG_BARRIER + wg, _PINGPONG_BARRIER + 1 - wg, T.alloc_local((1,), "int32")
+
+
+@T.macro
+def _pingpong_ready(turn, t):
+    """Warpgroup 1 lets warpgroup 0 take the first turn, at the CTA's first tile t: each turn
+    after it is handed over, across a persistent CTA's tiles too (both warpgroups run every KV
+    block). A step of the tile loop: the schedule drops steps outside it."""
+    with T.ws_op("ready"):
+        if t == 0 and _hold(turn[2], 0, T.get_thread_binding() // 128 - 1) == 1:
+            T.named_barrier_arrive(_PINGPONG_BARRIER, 256)
+
+
 def _n_blocks(q0, block_M: int, block_N: int, seqlen_q, seqlen_kv, causal: bool):
     """The KV blocks a query block runs: always one at least (a query block that sees no key runs
     one, masked): with a loop that may be empty, the pipeliner's peeled first iteration is
@@ -434,7 +466,7 @@ def _n_blocks(q0, block_M: int, block_N: int, seqlen_q, seqlen_kv, causal: bool)
 
 def ws_overlap_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool, dtype: str, *,
                        block_M: int, block_N: int, num_stages: int, threads: int,
-                       ctas: int = 0):
+                       ctas: int = 0, pingpong: int = 0):
     """FlashAttention-3's order inside each consumer warpgroup, warp-specialised by hand (sm_90).
 
     A producer warp (24 registers) streams Q, K and V by TMA; `threads` of consumers (240
@@ -447,7 +479,8 @@ def ws_overlap_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool,
     With `ctas` > 0 the kernel is persistent: that many CTAs walk the (query block, head, batch)
     tiles, and the producer loads the next tile's Q, K and V while the consumers finish this
     one's O (a tile's prologue and epilogue no longer idle the SM). `ragged_program` is the same
-    schedule over a packed batch.
+    schedule over a packed batch. `pingpong` 1 (two consumer warpgroups) orders their products
+    by turns (`_ws_overlap_tile`'s `turn`).
     """
     batch, seqlen_q, seqlen_kv = T.dynamic("batch"), T.dynamic("seqlen_q"), T.dynamic("seqlen_kv")
     group = heads_q // heads_kv
@@ -462,9 +495,11 @@ def ws_overlap_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool,
         n_q = T.ceildiv(seqlen_q, block_M)
         with T.Kernel(*((ctas,) if ctas else (n_q, heads_q, batch)), threads=threads) as ids:
             buffers = _buffers(block_M, block_N, head_dim, dtype)
-            T.annotate_ws_schedule(_ws_overlap_schedule(threads // 32, *buffers[:3], num_stages))
+            T.annotate_ws_schedule(_ws_overlap_schedule(threads // 32, *buffers[:3], num_stages,
+                                                        pingpong=bool(pingpong)))
             n_tiles = T.ceildiv(n_q * heads_q * batch - ids, ctas) if ctas else 1
             at = T.alloc_local((5,), "int32") if ctas and causal else None
+            turn = _pingpong_turns() if pingpong else None
             for t in T.serial(n_tiles, annotations={T.WSID: "tiles"}):
                 with T.ws_op("bounds"):
                     bx, head, b = (_tile(ids + t * ctas, n_q, heads_q, group, batch, seqlen_kv,
@@ -475,9 +510,11 @@ def ws_overlap_program(heads_q: int, heads_kv: int, head_dim: int, causal: bool,
                     if ctas and causal:
                         n_blocks = _per_tile(n_blocks, t)
                     n_full = _full_blocks(q0, block_N, seqlen_q, seqlen_kv, causal)
+                if pingpong:
+                    _pingpong_ready(turn, t)
                 _ws_overlap_tile(Q, K, V, O, LSE, buffers, b, head,
                                  _kv_rows(b, 0, kv_head, block_N), 0, q0, seqlen_q, seqlen_kv,
-                                 n_blocks, n_full, causal, scale, num_stages)
+                                 n_blocks, n_full, causal, scale, num_stages, turn=turn)
 
     return flash_attention
 

@@ -124,8 +124,9 @@ def _check_gpu(problem: AttentionProblem, config: Config, target: Target) -> str
         return "overlap 2 is warp-specialised for sm_90 (TMA producer, asynchronous wgmma)"
     if config.get("persistent") and overlap != 2:
         return "persistent walks its tiles in the warp-specialised schedule (overlap 2 only)"
-    if config.get("pingpong") and (overlap or threads != 256 or not target.is_hopper):
-        return "pingpong alternates two wgmma consumer warpgroups (sm_90, overlap 0, 256 threads)"
+    if config.get("pingpong") and (overlap == 1 or threads != 256 or not target.is_hopper):
+        return ("pingpong alternates two wgmma consumer warpgroups (sm_90, overlap 0 or 2, "
+                "256 threads)")
     esize = DTYPE_SIZES[problem.dtype]
     # Q and O tiles, plus K and V tiles per pipeline stage (overlap 2: one V tile more).
     kv_tiles = 2 * max(stages, 1) + (overlap == 2)
