@@ -70,6 +70,23 @@ def test_warp_specialised_overlap_allows_fa3_tiles_of_its_240_register_consumers
                                                                           "overlap": 0}, H200)
 
 
+@pytest.mark.parametrize("overlap", [0, 2])
+def test_three_consumer_warpgroups_share_the_registers_at_head_dim_64(overlap):
+    # FA3's 192-query tile at head_dim 64: 24 registers for the producer, 160 for each of three
+    # consumer warpgroups (64 rows each), 128 of them accumulators; 160 spill at head_dim 128
+    problem = ATTENTION.Problem(16, 2048, 2048, 32, 32, 64, False, "bfloat16")
+    config = {"block_M": 192, "block_N": 128, "num_stages": 2, "threads": 384,
+              "overlap": overlap, "pingpong": 0, "persistent": 0}
+    assert ATTENTION.check_config(problem, config, H200) is None
+    src = lower(ATTENTION.build(problem, config, H200), H200).kernel_source
+    assert "warpgroup_reg_alloc<160>" in src and "warpgroup_reg_dealloc<24>" in src
+    assert "warpgroup_reg_alloc<240>" not in src
+    wide = problem._replace(head_dim=128)
+    assert "(> 128)" in ATTENTION.check_config(wide, {**config, "num_stages": 1}, H200)
+    assert "multiple of 64 per warpgroup" in ATTENTION.check_config(
+        problem, {**config, "block_M": 128}, H200)
+
+
 def test_attention_pingpong_hands_over_between_the_two_consumer_warpgroups():
     problem = ATTENTION.Problem(2, 1024, 1024, 32, 8, 128, False, "bfloat16")
     config = {**ATTENTION.default_config(problem, H200), "pingpong": 1}

@@ -60,20 +60,38 @@ def compiled(problem, schedule):
     return dispatch.compile_kernel(ATTENTION, problem, config, target)
 
 
-@SCHEDULES
-def test_every_element_written_cuda(schedule):
-    problem = ATTENTION.Problem(2, 1024, 1024, 32, 8, 128, True, "bfloat16")
+def check_every_element_written(problem, schedule):
+    """Outputs and LSE filled with NaN first, at odd lengths: each element the kernel leaves
+    unwritten fails the check."""
     kernel = compiled(problem, schedule)
+    B, Hq, D = problem.batch, problem.heads_q, problem.head_dim
     # (300, 17000): persistent causal tiles in sections of 3 KV heads (`kernels._tile`), the
     # last of the 16 (batch, KV head) pairs alone in its section
     for Sq, Skv in [(1000, 999), (129, 1000), (1000, 129), (300, 17000)]:
         inputs = ATTENTION.make_inputs(problem, CUDA, seed=Sq, sizes={"seqlen_q": Sq,
                                                                       "seqlen_kv": Skv})
         call = ATTENTION.prepare(*inputs)
-        out = (torch.full((2, Sq, 32, 128), math.nan, device=CUDA, dtype=torch.bfloat16),
-               torch.full((2, 32, Sq), math.nan, device=CUDA))
+        out = (torch.full((B, Sq, Hq, D), math.nan, device=CUDA, dtype=torch.bfloat16),
+               torch.full((B, Hq, Sq), math.nan, device=CUDA))
         ATTENTION.launch(kernel, call.args, out=out)
         check(*out, ATTENTION.reference(inputs))
+
+
+@SCHEDULES
+def test_every_element_written_cuda(schedule):
+    check_every_element_written(ATTENTION.Problem(2, 1024, 1024, 32, 8, 128, True, "bfloat16"),
+                                schedule)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("schedule", [{"overlap": 0}, {"overlap": 2}, {"overlap": 2,
+                                                                       "persistent": 1}],
+                         ids=["auto", "ws_overlap", "persistent"])
+def test_three_consumer_warpgroups_write_every_element_cuda(schedule, causal):
+    # 192 queries a CTA at head_dim 64, a warpgroup of 64 each (160 registers a thread)
+    check_every_element_written(
+        ATTENTION.Problem(2, 1024, 1024, 32, 8, 64, causal, "bfloat16"),
+        {"block_M": 192, "block_N": 128, "num_stages": 2, "threads": 384, **schedule})
 
 
 def test_baseline_matches_reference_cuda():

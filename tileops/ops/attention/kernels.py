@@ -292,6 +292,12 @@ def _hold(at, i: int, value):
     return at[i]
 
 
+def consumer_nreg(threads: int) -> int:
+    """Registers a consumer thread of the warp-specialised schedule gets (setmaxnreg) beside the
+    24 of the producer warpgroup: 240 for up to two consumer warpgroups, 160 for three."""
+    return 240 if threads <= 256 else 160
+
+
 def _ws_overlap_schedule(consumer_warps: int, Q_s, K_s, V_s, num_stages: int,
                          zero_tail: bool = False, pingpong: bool = False):
     """`ws_overlap_program`'s roles, pipelines and the order of its named steps: the KV loop
@@ -300,10 +306,13 @@ def _ws_overlap_schedule(consumer_warps: int, Q_s, K_s, V_s, num_stages: int,
     "turn" and "hand_over" steps around a warpgroup's two products, and "ready" before its
     first tile (`_ws_overlap_tile`)."""
     turn, hand_over, ready = (["turn"], ["hand_over"], ["ready"]) if pingpong else ([], [], [])
+    # setmaxnreg shares the SM's 64K registers: 24 for the producer warpgroup, 240 for two
+    # consumer warpgroups, 160 for three (FlashAttention-3's split at head_dim 64).
     return T.WSSchedule(
         num_warps=4 + consumer_warps,
         roles=[T.WSRole("Producer", warps_lo=0, warps_hi=1, max_nreg=24),
-               T.WSRole("Consumer", warps_lo=4, warps_hi=4 + consumer_warps, max_nreg=240)],
+               T.WSRole("Consumer", warps_lo=4, warps_hi=4 + consumer_warps,
+                        max_nreg=consumer_nreg(consumer_warps * 32))],
         pipelines=[T.WSPipeline("q", [Q_s], depth=1),
                    T.WSPipeline("k", [K_s], depth=num_stages),
                    T.WSPipeline("v", [V_s], depth=num_stages + 1)],

@@ -135,9 +135,12 @@ def _check_gpu(problem: AttentionProblem, config: Config, target: Target) -> str
     if smem > limit:
         return f"shared memory {smem // 1024} KiB > {limit // 1024} KiB"
     regs = (bm * D + bm * bn + bm * bn // 2) // threads  # O and S accumulators, P
-    # overlap 2's consumers get 240 registers (setmaxnreg); 128 x 192 at head_dim 128 (208)
-    # compiles without spills for sm_90a
-    limit = 208 if overlap == 2 else 192
+    # Warp-specialised consumers get 240 registers (setmaxnreg), 160 in three warpgroups (by
+    # TileLang too at overlap 0), of which the accumulators may take all but 32 for sm_90a to
+    # compile them without spills (128 x 192 at head_dim 128: 208 of 240; 192 x 128: 128 of 160
+    # at head_dim 64, 160 spill at 128)
+    ws = overlap == 2 or threads > 256
+    limit = kernels.consumer_nreg(threads) - 32 if ws else 192
     if regs > limit:
         return f"{regs} accumulator registers per thread (> {limit})"
     if target.is_hopper and bm % (64 * (threads // 128)) != 0:
