@@ -29,7 +29,7 @@ import tilelang.language as T
 
 from ..common import ACCUM, LOG2E, bits, from_f32, to_f32
 from ..online_softmax import FAST_MATH  # noqa: F401 (FAST_MATH: spec.fast_math)
-from .kernels import _at, _hold, _rows, _visible, ragged_bounds, zero_rows_past
+from .kernels import _at, _hold, _rows, _visible, consumer_nreg, ragged_bounds, zero_rows_past
 
 DELTA_ROWS = 64  # query rows per program instance of the Delta and dQ kernels
 # A packed sequence's statistics start at any row, but a TMA box must start 16 bytes into its
@@ -181,7 +181,8 @@ def _ws_schedule(consumer_warps: int, buffers: tuple, num_stages: int, overlap: 
     return T.WSSchedule(
         num_warps=4 + consumer_warps,
         roles=[T.WSRole("Producer", warps_lo=0, warps_hi=1, max_nreg=24),
-               T.WSRole("Consumer", warps_lo=4, warps_hi=4 + consumer_warps, max_nreg=240)],
+               T.WSRole("Consumer", warps_lo=4, warps_hi=4 + consumer_warps,
+                        max_nreg=consumer_nreg(consumer_warps * 32))],
         pipelines=[T.WSPipeline("kv", [K_s, V_s], depth=1),
                    T.WSPipeline("q", [Q_s, lse], depth=num_stages),
                    T.WSPipeline("do", [dO_s, delta], depth=num_stages), *handoff],

@@ -448,12 +448,11 @@ def _ws_overlap_tile(Q, K, V, O, LSE, buffers, b, head, kv_block, q_row0, q0, se
 
 
 def _pingpong_turns():
-    """(this consumer warpgroup's barrier, the other's, a register holding the warpgroup) in a
-    hand-written schedule, whose two consumer warpgroups follow the producer's (threads
-    128-383). The launch declares the consumers' threads only, so TileLang takes the thread
-    index below 256 and folds a test of it for warpgroup 1 to false; a register's it cannot."""
+    """(this consumer warpgroup's barrier, the other's, its warpgroup index, a register for it)
+    in a hand-written schedule, whose two consumer warpgroups follow the producer's (threads
+    128-383)."""
     wg = T.get_thread_binding() // 128 - 1
-    return _PINGPONG_BARRIER + wg, _PINGPONG_BARRIER + 1 - wg, T.alloc_local((1,), "int32")
+    return _PINGPONG_BARRIER + wg, _PINGPONG_BARRIER + 1 - wg, wg, T.alloc_local((1,), "int32")
 
 
 @T.macro
@@ -462,7 +461,10 @@ def _pingpong_ready(turn, t):
     after it is handed over, across a persistent CTA's tiles too (both warpgroups run every KV
     block). A step of the tile loop: the schedule drops steps outside it."""
     with T.ws_op("ready"):
-        if t == 0 and _hold(turn[2], 0, T.get_thread_binding() // 128 - 1) == 1:
+        # The launch declares the consumers' threads only, so TileLang takes the thread index
+        # below 256 and would fold the test for warpgroup 1 to false; through a register it
+        # cannot.
+        if t == 0 and _hold(turn[3], 0, turn[2]) == 1:
             T.named_barrier_arrive(_PINGPONG_BARRIER, 256)
 
 
