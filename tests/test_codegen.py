@@ -70,7 +70,8 @@ def _smem_offsets(src: str) -> dict[str, str]:
 ])
 def test_gemm_prefill_knobs_lower(shape, knobs, wgmma, tma_store):
     problem = GEMM.Problem(*shape, "bfloat16", "nk", "bfloat16")
-    config = dict(GEMM.default_config(problem, H200), **knobs)
+    # each knob over the plain tile (the default above M = 256 has both on)
+    config = {**GEMM.default_config(problem, H200), "full_row": 0, "staged_store": 0, **knobs}
     assert GEMM.check_config(problem, config, H200) is None
     src = lower(GEMM.build(problem, config, H200), H200).kernel_source
     assert _wgmma_shapes(src) == {wgmma}
@@ -79,6 +80,14 @@ def test_gemm_prefill_knobs_lower(shape, knobs, wgmma, tma_store):
     offsets = _smem_offsets(src)
     assert offsets.get("C_s", "0") == "0" and len(offsets) == 2 + ("C_s" in offsets)
     assert ("C_s" in offsets) == bool(knobs.get("staged_store"))
+
+
+def test_gemm_default_above_m_256_stores_whole_rows_through_shared_memory():
+    problem = GEMM.Problem(4096, 4096, 4096, "bfloat16", "nk", "bfloat16")
+    config = GEMM.default_config(problem, H200)
+    assert config["full_row"] == config["staged_store"] == 1
+    src = lower(GEMM.build(problem, config, H200), H200).kernel_source
+    assert _wgmma_shapes(src) == {"64, 256, 16"} and "tma_store(" in src
 
 
 def test_gemm_prefill_knobs_refused_where_they_change_nothing():
