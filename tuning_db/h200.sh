@@ -11,7 +11,8 @@
 # OP SLICE: gemm decode (M = 1, 16), gemm m64, gemm prefill (M = 256 ... 8192), mxfp4_gemm decode
 # (M = 1 ... 64), mxfp4_gemm prefill (M = 256 ... 4096), mxfp4_gemm_packed decode (M = 1, 16:
 # the prepacked weight), mxfp4_gemm_packed decode_p0 (the same without a producer warpgroup),
-# mxfp4_gemm_packed m64 and m64_p0, attention all (grid), attention_varlen all (grid),
+# mxfp4_gemm_packed m64 and m64_p0, attention all (grid), attention hd64 (grid: the head_dim 64
+# half, 192-query tiles), attention_varlen all (grid),
 # attention_paged all (grid), attention_backward all (grid, over the attention suite),
 # attention_varlen_backward all (grid, over the attention_varlen suite), mla_decode all (TPE): the whole suites; mla_decode seesaw: the suite over the seesaw schedule's points
 # (after `all`: a record it does not beat stays). A stopped slice resumes where it stopped (the
@@ -33,14 +34,14 @@ H200='{"kind": "cuda", "arch": "sm_90a", "device": "NVIDIA H200", "units": 132}'
 NK="6144x4096 4096x4096 28672x4096 4096x14336 10240x8192 8192x8192 57344x8192 8192x28672"
 SLICES="gemm:decode gemm:m64 gemm:prefill mxfp4_gemm:decode mxfp4_gemm:prefill
   mxfp4_gemm_packed:decode mxfp4_gemm_packed:decode_p0 mxfp4_gemm_packed:m64
-  mxfp4_gemm_packed:m64_p0 attention:all attention_varlen:all
+  mxfp4_gemm_packed:m64_p0 attention:all attention:hd64 attention_varlen:all
   attention_paged:all attention_backward:all attention_varlen_backward:all mla_decode:all
   mla_decode:seesaw"
 
-usage() { sed -n '2,23p' "$0"; exit 2; }
+usage() { sed -n '2,24p' "$0"; exit 2; }
 
 slice() {  # sets ms, space, sampler, trials, extra for OP SLICE
-  sampler=grid trials=64 space= extra=() dtype=$DTYPE suite=$1
+  sampler=grid trials=64 space= extra=() dtype=$DTYPE suite=$1 shapes=
   case "$1:$2" in
     gemm:decode)  # the weight takes the wgmma M side (swap_ab); split-K for more CTAs, summed
       # by a second kernel or in the cluster
@@ -92,12 +93,19 @@ slice() {  # sets ms, space, sampler, trials, extra for OP SLICE
         "block_K": [64], "num_stages": [3, 4], "threads": [128, 256], "dequant": ["global"],
         "swizzle": [8], "split_k": [1], "swap_ab": [0], "ctas_per_sm": [1]}' ;;
     attention:all)  # the tiles that came within 3% of a problem's best in the whole space's
-      # grid, in each schedule (28-35 valid points with persistent; benchmarks/NOTES.md), and
-      # FlashAttention-3's 176-key blocks; a kernel compiled for one problem serves the others
-      # of its heads, head_dim and causal flag
-      ms=""; dtype=bfloat16; space='{"block_M": [64, 128], "block_N": [64, 128, 176],
-        "num_stages": [1, 2], "threads": [128, 256], "overlap": [0, 1, 2], "pingpong": [0],
+      # grid, in each schedule (28-35 valid points with persistent; benchmarks/NOTES.md),
+      # FlashAttention-3's 176-key blocks, and at head_dim 64 its 192 queries over three
+      # consumer warpgroups; a kernel compiled for one problem serves the others of its heads,
+      # head_dim and causal flag (the scheduler barrier, `pingpong`, never won: NOTES.md)
+      ms=""; dtype=bfloat16; space='{"block_M": [64, 128, 192], "block_N": [64, 128, 176],
+        "num_stages": [1, 2], "threads": [128, 256, 384], "overlap": [0, 1, 2], "pingpong": [0],
         "persistent": [0, 1]}' ;;
+    attention:hd64)  # the suite's head_dim 64 half over the warp-specialised schedule's two
+      # tiles, 128 queries on two consumer warpgroups or 192 on three (after `all`: a record it
+      # does not beat stays)
+      ms=""; dtype=bfloat16; shapes=$(attention_shapes 64); space='{"block_M": [128, 192],
+        "block_N": [128], "num_stages": [1, 2], "threads": [256, 384], "overlap": [2],
+        "pingpong": [0], "persistent": [0, 1]}' ;;
     attention_varlen:all)  # the paged kernel's winners at head_dim 128 (128 x 128 tiles, one or
       # two stages, 12 of 13 problems; benchmarks/NOTES.md), persistent or not: a packed kernel
       # takes ~80 s to lower
@@ -122,7 +130,19 @@ slice() {  # sets ms, space, sampler, trials, extra for OP SLICE
   esac
 }
 
-problems() {  # the slice's problems: one --shape per (M, N, K) (GEMM: the w.t() layout), or a suite
+attention_shapes() {  # the attention suite's problems at head_dim $1, one --shape each
+  local bs h c
+  for bs in 32x1024 16x2048 8x4096 4x8192 2x16384; do for h in 32 8; do for c in "" :causal; do
+    printf -- '--shape=%sx%sx%sx32x%sx%s%s ' "${bs%%x*}" "${bs#*x}" "${bs#*x}" "$h" "$1" "$c"
+  done; done; done
+}
+
+problems() {  # the slice's problems: one --shape per (M, N, K) (GEMM: the w.t() layout), a list
+  # of shapes, or a suite
+  if [[ -n $shapes ]]; then
+    printf -- '%s' "$shapes"
+    return
+  fi
   if [[ -z $ms ]]; then
     printf -- '--suite %s ' "$suite"  # attention (also for attention_backward), attention_varlen, ...
     return
@@ -134,7 +154,7 @@ problems() {  # the slice's problems: one --shape per (M, N, K) (GEMM: the w.t()
 run() {  # run ACTION OP SLICE
   slice "$2" "$3"
   local space_args=(); [[ -z $space ]] || space_args=(--space "$space")
-  local op_args=(--op "$2"); [[ -z $ms && $2 == "$suite" ]] && op_args=()
+  local op_args=(--op "$2"); [[ -z $ms && -z $shapes && $2 == "$suite" ]] && op_args=()
   mkdir -p "$REPORTS"
   # shellcheck disable=SC2046  # $(problems ...): one argument per word
   case $1 in
