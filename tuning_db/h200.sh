@@ -56,10 +56,11 @@ slice() {  # sets ms, space, sampler, trials, extra for OP SLICE
         "stream_k": [0]}' ;;
     gemm:prefill)  # 64- and 128-row tiles (256 never won), one or two consumer warpgroups,
       # rasterised; whole rows per warpgroup and the tile stored through shared memory (each
-      # won or tied on all 32 shapes of the 2026-12-05 probe, NOTES), the stream-K program or
-      # not: 48 points a problem, searched by TPE until it stops improving
+      # won or tied on all 32 shapes of the 2026-12-05 probe, NOTES), block_N in steps of 32
+      # (the tile count by waves), the stream-K program or not: 96 points a problem, searched
+      # by TPE until it stops improving
       ms="256 1024 4096 8192"; sampler=tpe trials=32; extra=(--patience 10)
-      space='{"block_M": [64, 128], "block_N": [128, 192, 256], "block_K": [64],
+      space='{"block_M": [64, 128], "block_N": [96, 128, 160, 192, 224, 256], "block_K": [64],
         "num_stages": [3, 4], "threads": [128, 256], "swizzle": [8], "split_k": [1],
         "cluster_sum": [0], "swap_ab": [0], "full_row": [1], "staged_store": [1],
         "stream_k": [0, 1]}' ;;
