@@ -145,11 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     problems = suite.cases
     if args.where:
-        field, _, values = args.where.partition("=")
-        if field not in spec.Problem._fields:
-            ap.error(f"--where: {spec.name} problems have no field {field!r}")
-        keep = set(values.split(","))
-        problems = [p for p in problems if str(getattr(p, field)) in keep]
+        try:
+            problems = suites.select(spec, problems, args.where)
+        except suites.UsageError as e:
+            ap.error(str(e))
     target, device = resolve_device(args.device)
     out = args.out or RESULTS / device_dir(target) / f"{spec.name}.json"
     report = new_report(spec, target)

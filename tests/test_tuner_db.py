@@ -206,6 +206,16 @@ def test_suites():
         suites.load("nope")
 
 
+def test_suite_problems_selected_by_a_field():
+    suite = suites.load("attention")
+    spec = suites.named_spec(suite.op)
+    half = suites.select(spec, suite.problems, "head_dim=64")
+    assert len(half) == 20 and {p.head_dim for p in half} == {64}
+    assert len(suites.select(spec, suite.problems, "head_dim=64,128")) == 40
+    with pytest.raises(UsageError, match="no field 'head_dm'"):
+        suites.select(spec, suite.problems, "head_dm=64")
+
+
 def test_suite_file_format(tmp_path):
     path = tmp_path / "mine.toml"
     path.write_text('op = "gemm"\ndtypes = ["float32"]\nproblems = ["3x8x8"]\n'

@@ -189,5 +189,15 @@ def suite_spec(suite: Suite, op: str | None = None) -> OpSpec:
     return spec
 
 
+def select(spec: OpSpec, problems: list[tuple], where: str) -> list[tuple]:
+    """The problems whose FIELD is one of the values of `where`, "FIELD=V1,V2" (a UsageError
+    for a field the spec's problems lack)."""
+    field, _, values = where.partition("=")
+    if field not in spec.Problem._fields:
+        raise UsageError(f"--where: {spec.name} problems have no field {field!r}")
+    keep = set(values.split(","))
+    return [p for p in problems if str(getattr(p, field)) in keep]
+
+
 def _dedupe(problems: Iterable[tuple]) -> list[tuple]:
     return list(dict.fromkeys(problems))

@@ -50,6 +50,8 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--shape", action="append", metavar="TEXT",
                      help="a problem in the operator's own syntax (what its spec's "
                           "parse_problem reads); repeatable")
+    p.add_argument("--where", metavar="FIELD=V1,V2",
+                   help="only the problems whose FIELD (e.g. head_dim, M) is one of the values")
     p.add_argument("--dtype", help="comma-separated dtypes (default: the suite's, else bfloat16)")
     p.add_argument("--trials", type=_positive(int), default=32,
                    help="compiled configurations per problem, counting earlier runs (default 32)")
@@ -254,8 +256,11 @@ def _problems(args: argparse.Namespace) -> tuple[OpSpec, list[tuple]]:
         dtypes = dtypes or ["bfloat16"]
         problems = (suites.from_shapes(spec, args.shape, dtypes) if args.shape
                     else suites.read_problems_file(spec, args.problems, dtypes))
+    if args.where:
+        problems = suites.select(spec, problems, args.where)
     if not problems:
-        raise UsageError("no problems to tune (check --dtype against the suite's dtypes)")
+        raise UsageError("no problems to tune (check --dtype against the suite's dtypes, "
+                         "--where against its problems)")
     return spec, problems
 
 

@@ -41,7 +41,7 @@ SLICES="gemm:decode gemm:m64 gemm:prefill mxfp4_gemm:decode mxfp4_gemm:prefill
 usage() { sed -n '2,24p' "$0"; exit 2; }
 
 slice() {  # sets ms, space, sampler, trials, extra for OP SLICE
-  sampler=grid trials=64 space= extra=() dtype=$DTYPE suite=$1 shapes=
+  sampler=grid trials=64 space= extra=() dtype=$DTYPE suite=$1 where=
   case "$1:$2" in
     gemm:decode)  # the weight takes the wgmma M side (swap_ab); split-K for more CTAs, summed
       # by a second kernel or in the cluster
@@ -104,7 +104,7 @@ slice() {  # sets ms, space, sampler, trials, extra for OP SLICE
     attention:hd64)  # the suite's head_dim 64 half over the warp-specialised schedule's two
       # tiles, 128 queries on two consumer warpgroups or 192 on three (after `all`: a record it
       # does not beat stays)
-      ms=""; dtype=bfloat16; shapes=$(attention_shapes 64); space='{"block_M": [128, 192],
+      ms=""; dtype=bfloat16; where=head_dim=64; space='{"block_M": [128, 192],
         "block_N": [128], "num_stages": [1, 2], "threads": [256, 384], "overlap": [2],
         "pingpong": [0], "persistent": [0, 1]}' ;;
     attention_varlen:all)  # the paged kernel's winners at head_dim 128 (128 x 128 tiles, one or
@@ -131,21 +131,11 @@ slice() {  # sets ms, space, sampler, trials, extra for OP SLICE
   esac
 }
 
-attention_shapes() {  # the attention suite's problems at head_dim $1, one --shape each
-  local bs h c
-  for bs in 32x1024 16x2048 8x4096 4x8192 2x16384; do for h in 32 8; do for c in "" :causal; do
-    printf -- '--shape=%sx%sx%sx32x%sx%s%s ' "${bs%%x*}" "${bs#*x}" "${bs#*x}" "$h" "$1" "$c"
-  done; done; done
-}
-
-problems() {  # the slice's problems: one --shape per (M, N, K) (GEMM: the w.t() layout), a list
-  # of shapes, or a suite
-  if [[ -n $shapes ]]; then
-    printf -- '%s' "$shapes"
-    return
-  fi
+problems() {  # the slice's problems: one --shape per (M, N, K) (GEMM: the w.t() layout), or a
+  # suite, or those of its problems a field selects
   if [[ -z $ms ]]; then
     printf -- '--suite %s ' "$suite"  # attention (also for attention_backward), attention_varlen, ...
+    [[ -z $where ]] || printf -- '--where %s ' "$where"
     return
   fi
   local layout=""; [[ $1 == gemm ]] && layout=":nk"
@@ -155,7 +145,7 @@ problems() {  # the slice's problems: one --shape per (M, N, K) (GEMM: the w.t()
 run() {  # run ACTION OP SLICE
   slice "$2" "$3"
   local space_args=(); [[ -z $space ]] || space_args=(--space "$space")
-  local op_args=(--op "$2"); [[ -z $ms && -z $shapes && $2 == "$suite" ]] && op_args=()
+  local op_args=(--op "$2"); [[ -z $ms && $2 == "$suite" ]] && op_args=()
   mkdir -p "$REPORTS"
   # shellcheck disable=SC2046  # $(problems ...): one argument per word
   case $1 in
