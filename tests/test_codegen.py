@@ -70,8 +70,9 @@ def _smem_offsets(src: str) -> dict[str, str]:
 ])
 def test_gemm_prefill_knobs_lower(shape, knobs, wgmma, tma_store):
     problem = GEMM.Problem(*shape, "bfloat16", "nk", "bfloat16")
-    # each knob over the plain tile (the default above M = 256 has both on)
-    config = {**GEMM.default_config(problem, H200), "full_row": 0, "staged_store": 0, **knobs}
+    # each knob over the plain 128 x 256 tile (the default above M = 128 has both on)
+    config = {**GEMM.default_config(problem, H200), "block_N": 256, "num_stages": 3,
+              "full_row": 0, "staged_store": 0, **knobs}
     assert GEMM.check_config(problem, config, H200) is None
     src = lower(GEMM.build(problem, config, H200), H200).kernel_source
     assert _wgmma_shapes(src) == {wgmma}
@@ -88,6 +89,23 @@ def test_gemm_default_above_m_256_stores_whole_rows_through_shared_memory():
     assert config["full_row"] == config["staged_store"] == 1
     src = lower(GEMM.build(problem, config, H200), H200).kernel_source
     assert _wgmma_shapes(src) == {"64, 256, 16"} and "tma_store(" in src
+
+
+@pytest.mark.parametrize(("M", "N", "K", "block_N", "num_stages"), [
+    # the best block_N and depth of the H100 grids on each weight (benchmarks/NOTES.md)
+    (256, 6144, 4096, 96, 8), (256, 4096, 4096, 64, 8), (256, 10240, 8192, 160, 6),
+    (256, 8192, 8192, 128, 6), (256, 28672, 4096, 224, 4), (256, 4096, 14336, 64, 8),
+    (1024, 6144, 4096, 192, 4), (4096, 28672, 4096, 256, 4),
+])
+def test_gemm_default_fills_the_waves_with_the_deepest_pipeline(M, N, K, block_N, num_stages):
+    problem = GEMM.Problem(M, N, K, "bfloat16", "nk", "bfloat16")
+    config = GEMM.default_config(problem, H200)
+    assert (config["block_M"], config["block_N"], config["num_stages"]) == (128, block_N,
+                                                                            num_stages)
+    assert GEMM.check_config(problem, config, H200) is None
+    if num_stages < 8:  # the space's deepest
+        deeper = {4: 6, 6: 8}[num_stages]
+        assert "shared memory" in GEMM.check_config(problem, dict(config, num_stages=deeper), H200)
 
 
 def test_gemm_prefill_knobs_refused_where_they_change_nothing():

@@ -57,12 +57,13 @@ slice() {  # sets ms, space, sampler, trials, extra for OP SLICE
     gemm:prefill)  # 64- and 128-row tiles (256 never won), one or two consumer warpgroups,
       # rasterised; whole rows per warpgroup and the tile stored through shared memory (each
       # won or tied on all 32 shapes of the 2026-12-05 probe, NOTES), block_N in steps of 32
-      # (the tile count by waves), the stream-K program or not: 96 points a problem, searched
+      # (the tile count by waves), 3-8 stages (the L2 bytes in flight), the stream-K program or
+      # not: 224 points a problem (fewer fit shared memory), searched
       # by TPE until it stops improving
       ms="256 1024 4096 8192"; sampler=tpe trials=32; extra=(--patience 10)
-      space='{"block_M": [64, 128], "block_N": [96, 128, 160, 192, 224, 256], "block_K": [64],
-        "num_stages": [3, 4], "threads": [128, 256], "swizzle": [8], "split_k": [1],
-        "cluster_sum": [0], "swap_ab": [0], "full_row": [1], "staged_store": [1],
+      space='{"block_M": [64, 128], "block_N": [64, 96, 128, 160, 192, 224, 256],
+        "block_K": [64], "num_stages": [3, 4, 6, 8], "threads": [128, 256], "swizzle": [8],
+        "split_k": [1], "cluster_sum": [0], "swap_ab": [0], "full_row": [1], "staged_store": [1],
         "stream_k": [0, 1]}' ;;
     mxfp4_gemm:decode)  # decoded in shared memory or in registers; 512-wide K steps for TMA scales
       ms="1 16 64"; dtype=bfloat16; space='{"block_M": [16], "block_N": [64, 128],

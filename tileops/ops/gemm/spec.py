@@ -57,7 +57,7 @@ _PLAIN = {"full_row": 0, "staged_store": 0, "stream_k": 0, "cluster_sum": 0}
 
 
 def _cuda_default(problem: GemmProblem, target: Target, space: Space) -> Config:
-    """By M: decode tiles with the operands swapped, mid-size tiles, then large ones."""
+    """By M: decode tiles with the operands swapped, 64-row tiles, then tiles by waves."""
     M = problem.M
     if M <= 64:  # decode: bound by reading B; the weight fills the wgmma M side (swap_ab)
         # The H200 grid over the Llama weights (benchmarks/NOTES.md): at M <= 16 this point
@@ -66,12 +66,33 @@ def _cuda_default(problem: GemmProblem, target: Target, space: Space) -> Config:
         return {"block_M": max(M, 16), "block_N": 64, "block_K": 256 if M <= 16 else 128,
                 "num_stages": 4, "threads": 128, "swizzle": 0, "swap_ab": 1, "split_k": 1,
                 **_PLAIN}
-    if M <= 256:
+    if M <= 128:
         return {"block_M": 64, "block_N": 128, "block_K": 64, "num_stages": 4,
                 "threads": 128, "swizzle": 0, "split_k": 1, "swap_ab": 0, **_PLAIN}
-    # Whole rows per warpgroup and the tile stored through shared memory: on the H200 they took
-    # this tile from 0.88-0.93x of cuBLAS to 0.94-0.98x at M = 1024-8192 (benchmarks/NOTES.md).
-    return {"block_M": 128, "block_N": 256, "block_K": 64, "num_stages": 3, "threads": 256,
+    return _wave_tile(problem, target, space)
+
+
+def _wave_tile(problem: GemmProblem, target: Target, space: Space) -> Config:
+    """A 128-row tile whose count fills the SMs' waves, with as many K steps in flight as fit.
+
+    Each CTA's rate is set by its L2 bytes in flight, so the stages fill shared memory and a
+    tile's time goes as the bytes it loads a K step, 128 + block_N; block_N minimises that times
+    the waves its tile count takes (ties to the wider tile). Whole rows per warpgroup and the
+    tile stored through shared memory, as at every M >= 256 (benchmarks/NOTES.md). On an H100
+    the rule picked the grid's best block_N on all eight weights measured, and took the Llama-3
+    weights at M = 256 from 0.32-0.80x of cuBLAS to 0.99-1.06x, and 1024 x 6144 x 4096 from
+    0.77x (a 128 x 256 tile) to 0.99x.
+    """
+    sms, rows = target.units or 132, -(-problem.M // 128)
+
+    def cost(bn: int) -> tuple[int, int]:
+        waves = -(-rows * -(-problem.N // bn) // sms)
+        return waves * (128 + bn), -bn
+
+    bn = min((bn for bn in space["block_N"] if bn >= 64), key=cost)
+    stage = (128 + bn) * 64 * _SIZES[problem.dtype]
+    stages = max(s for s in space["num_stages"] if s * stage <= smem_limit(target.arch))
+    return {"block_M": 128, "block_N": bn, "block_K": 64, "num_stages": stages, "threads": 256,
             "swizzle": 8, "split_k": 1, "swap_ab": 0, **_PLAIN, "full_row": 1, "staged_store": 1}
 
 
