@@ -57,7 +57,7 @@ _PLAIN = {"full_row": 0, "staged_store": 0, "stream_k": 0, "cluster_sum": 0}
 
 
 def _cuda_default(problem: GemmProblem, target: Target, space: Space) -> Config:
-    """By M: decode tiles with the operands swapped, 64-row tiles, then tiles by waves."""
+    """By M: decode tiles with the operands swapped, then tiles by waves."""
     M = problem.M
     if M <= 64:  # decode: bound by reading B; the weight fills the wgmma M side (swap_ab)
         # The H200 grid over the Llama weights (benchmarks/NOTES.md): at M <= 16 this point
@@ -66,9 +66,6 @@ def _cuda_default(problem: GemmProblem, target: Target, space: Space) -> Config:
         return {"block_M": max(M, 16), "block_N": 64, "block_K": 256 if M <= 16 else 128,
                 "num_stages": 4, "threads": 128, "swizzle": 0, "swap_ab": 1, "split_k": 1,
                 **_PLAIN}
-    if M <= 128:
-        return {"block_M": 64, "block_N": 128, "block_K": 64, "num_stages": 4,
-                "threads": 128, "swizzle": 0, "split_k": 1, "swap_ab": 0, **_PLAIN}
     return _wave_tile(problem, target, space)
 
 
@@ -77,11 +74,14 @@ def _wave_tile(problem: GemmProblem, target: Target, space: Space) -> Config:
 
     Each CTA's rate is set by its L2 bytes in flight, so the stages fill shared memory and a
     tile's time goes as the bytes it loads a K step, 128 + block_N; block_N minimises that times
-    the waves its tile count takes (ties to the wider tile). Whole rows per warpgroup and the
-    tile stored through shared memory, as at every M >= 256 (benchmarks/NOTES.md). On an H100
-    the rule picked the grid's best block_N on all eight weights measured, and took the Llama-3
-    weights at M = 256 from 0.32-0.80x of cuBLAS to 0.99-1.06x, and 1024 x 6144 x 4096 from
-    0.77x (a 128 x 256 tile) to 0.99x.
+    the waves its tile count takes (ties to the wider tile). Fewer tiles than half the SMs (N
+    small, M <= 256) split K, as many ways as keep the CTAs within one wave: more only add fp32
+    partials to sum. Whole rows per warpgroup and the tile stored through shared memory.
+
+    On an H100 (benchmarks/NOTES.md) the rule picked the grids' best block_N on all ten weights
+    measured at M = 256-4096, and took the Llama-3 weights at M = 256 from 0.32-0.80x of cuBLAS
+    to 0.99-1.06x; at M = 128, the splits it picks were the best on the three weights with
+    fewer than 66 tiles (1536 x 7168 0.95x, 576 x 7168 1.07x).
     """
     sms, rows = target.units or 132, -(-problem.M // 128)
 
@@ -92,8 +92,15 @@ def _wave_tile(problem: GemmProblem, target: Target, space: Space) -> Config:
     bn = min((bn for bn in space["block_N"] if bn >= 64), key=cost)
     stage = (128 + bn) * 64 * _SIZES[problem.dtype]
     stages = max(s for s in space["num_stages"] if s * stage <= smem_limit(target.arch))
-    return {"block_M": 128, "block_N": bn, "block_K": 64, "num_stages": stages, "threads": 256,
-            "swizzle": 8, "split_k": 1, "swap_ab": 0, **_PLAIN, "full_row": 1, "staged_store": 1}
+    config = {"block_M": 128, "block_N": bn, "block_K": 64, "num_stages": stages,
+              "threads": 256, "swizzle": 8, "split_k": 1, "swap_ab": 0, **_PLAIN,
+              "full_row": 1, "staged_store": 1}
+    tiles = rows * -(-problem.N // bn)
+    if 2 * tiles < sms:
+        fits = [s for s in space["split_k"] if tiles * s <= sms and check_decode_knobs(
+            problem.M, problem.K, dict(config, split_k=s), target.arch, 64) is None]
+        config["split_k"] = max(fits, default=1)
+    return config
 
 
 def _check_gpu(problem: GemmProblem, config: Config, target: Target) -> str | None:
