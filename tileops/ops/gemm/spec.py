@@ -85,21 +85,23 @@ def _wave_tile(problem: GemmProblem, target: Target, space: Space) -> Config:
     """
     sms, rows = target.units or 132, -(-problem.M // 128)
 
+    def tiles(bn: int) -> int:
+        return rows * -(-problem.N // bn)
+
     def cost(bn: int) -> tuple[int, int]:
-        waves = -(-rows * -(-problem.N // bn) // sms)
-        return waves * (128 + bn), -bn
+        return -(-tiles(bn) // sms) * (128 + bn), -bn
+
+    def runs(**knobs: int) -> bool:
+        return _check_gpu(problem, dict(config, **knobs), target) is None
 
     bn = min((bn for bn in space["block_N"] if bn >= 64), key=cost)
-    stage = (128 + bn) * 64 * _SIZES[problem.dtype]
-    stages = max(s for s in space["num_stages"] if s * stage <= smem_limit(target.arch))
-    config = {"block_M": 128, "block_N": bn, "block_K": 64, "num_stages": stages,
-              "threads": 256, "swizzle": 8, "split_k": 1, "swap_ab": 0, **_PLAIN,
-              "full_row": 1, "staged_store": 1}
-    tiles = rows * -(-problem.N // bn)
-    if 2 * tiles < sms:
-        fits = [s for s in space["split_k"] if tiles * s <= sms and check_decode_knobs(
-            problem.M, problem.K, dict(config, split_k=s), target.arch, 64) is None]
-        config["split_k"] = max(fits, default=1)
+    config = {"block_M": 128, "block_N": bn, "block_K": 64,
+              "num_stages": min(space["num_stages"]), "threads": 256, "swizzle": 8,
+              "split_k": 1, "swap_ab": 0, **_PLAIN, "full_row": 1, "staged_store": 1}
+    config["num_stages"] = max(s for s in space["num_stages"] if runs(num_stages=s))
+    if 2 * tiles(bn) < sms:
+        config["split_k"] = max((s for s in space["split_k"]
+                                 if tiles(bn) * s <= sms and runs(split_k=s)), default=1)
     return config
 
 
