@@ -82,11 +82,13 @@ class BitsAdapter:
         self.kernel(*(t.view(torch.uint16) if t.dtype is torch.bfloat16 else t for t in tensors))
 
 
-def check_decode_knobs(M: int, K: int, config: dict, arch: str, min_block_M: int) -> str | None:
+def check_decode_knobs(M: int, K: int, config: dict, arch: str, min_block_M: int,
+                       few_tiles: bool = False) -> str | None:
     """Why a CUDA configuration's `swap_ab` / `split_k` (see `gpu_tiles`) cannot run, or None.
 
     `min_block_M` is the smallest useful unswapped token tile (64 where only wgmma serves it);
     a token tile larger than the problem's M bucket needs is pruned, as it only adds padding.
+    `few_tiles`: the output tiles fill under half the SMs, where K splits at any M.
     """
     bm, bn, bk, threads = config["block_M"], config["block_N"], config["block_K"], config["threads"]
     split, swap = config.get("split_k", 1), config.get("swap_ab", 0)
@@ -102,8 +104,8 @@ def check_decode_knobs(M: int, K: int, config: dict, arch: str, min_block_M: int
         return f"block_M {bm} below 16 only where M <= {bm} (M = {M})"
     if split > 1:
         k_steps = -(-K // bk)
-        if M > 256:
-            return "split_k is for M <= 256, where the tiles alone cannot fill the GPU"
+        if M > 256 and not few_tiles:
+            return "split_k is for M <= 256 or tiles filling under half the SMs"
         if k_steps % split or k_steps // split < 2:
             return f"split_k {split} does not divide {k_steps} K steps into >= 2 each"
     return None

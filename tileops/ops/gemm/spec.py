@@ -75,18 +75,18 @@ def _wave_tile(problem: GemmProblem, target: Target, space: Space) -> Config:
     Each CTA's rate is set by its L2 bytes in flight, so the stages fill shared memory and a
     tile's time goes as the bytes it loads a K step, 128 + block_N; block_N minimises that times
     the waves its tile count takes (ties to the wider tile). Fewer tiles than half the SMs (N
-    small, M <= 256) split K, as many ways as keep the CTAs within one wave: more only add fp32
-    partials to sum. Whole rows per warpgroup and the tile stored through shared memory.
+    small) split K, as many ways as keep the CTAs within one wave: more only add fp32 partials
+    to sum. Whole rows per warpgroup and the tile stored through shared memory.
 
     On an H100 (benchmarks/NOTES.md) the rule picked the grids' best block_N on all ten weights
     measured at M = 256-4096, and took the Llama-3 weights at M = 256 from 0.32-0.80x of cuBLAS
     to 0.99-1.06x; at M = 128, the splits it picks were the best on the three weights with
     fewer than 66 tiles (1536 x 7168 0.95x, 576 x 7168 1.07x).
     """
-    sms, rows = target.units or 132, -(-problem.M // 128)
+    sms = target.units or 132
 
     def tiles(bn: int) -> int:
-        return rows * -(-problem.N // bn)
+        return _tiles(problem, 128, bn)
 
     def cost(bn: int) -> tuple[int, int]:
         return -(-tiles(bn) // sms) * (128 + bn), -bn
@@ -103,6 +103,11 @@ def _wave_tile(problem: GemmProblem, target: Target, space: Space) -> Config:
         config["split_k"] = max((s for s in space["split_k"]
                                  if tiles(bn) * s <= sms and runs(split_k=s)), default=1)
     return config
+
+
+def _tiles(problem: GemmProblem, block_M: int, block_N: int) -> int:
+    """Output tiles of an unswapped grid."""
+    return -(-problem.M // block_M) * -(-problem.N // block_N)
 
 
 def _check_gpu(problem: GemmProblem, config: Config, target: Target) -> str | None:
@@ -127,7 +132,9 @@ def _check_gpu(problem: GemmProblem, config: Config, target: Target) -> str | No
     if target.is_hopper and not config.get("swap_ab") and bm % (64 * (threads // 128)):
         return f"wgmma needs block_M a multiple of 64 per warpgroup ({threads // 128})"
     if target.kind == "cuda":  # the decode knobs (swap_ab, split_k) are CUDA's
-        reason = check_decode_knobs(problem.M, problem.K, config, target.arch, min_block_M=64)
+        few = 2 * _tiles(problem, bm, bn) < (target.units or 132)
+        reason = check_decode_knobs(problem.M, problem.K, config, target.arch, min_block_M=64,
+                                    few_tiles=few)
         if reason:
             return reason
     if bm * bk * esize < threads * 16 // 2:
