@@ -24,9 +24,24 @@ def test_attention_lowers_to_wgmma_on_sm90a():
     assert "seqlen_q" in src and "seqlen_kv" in src  # dynamic lengths
 
 
+@pytest.mark.parametrize(("head_dim", "causal", "seqlen", "tile", "persistent"), [
+    (128, False, 4096, (128, 256), 0), (128, False, 2048, (128, 256), 1),
+    (128, True, 8192, (128, 256), 1), (64, False, 4096, (192, 384), 0),
+])
+def test_attention_default_on_sm90a_is_warp_specialised(head_dim, causal, seqlen, tile,
+                                                        persistent):
+    problem = ATTENTION.Problem(2, seqlen, seqlen, 32, 8, head_dim, causal, "bfloat16")
+    config = ATTENTION.default_config(problem, H200)
+    assert (config["block_M"], config["threads"]) == tile
+    assert (config["overlap"], config["persistent"], config["num_stages"]) == (2, persistent, 2)
+    assert ATTENTION.check_config(problem, config, H200) is None
+    a100 = ATTENTION.default_config(problem, A100)  # no TMA producer below sm_90
+    assert (a100["overlap"], a100["persistent"], a100["threads"]) == (0, 0, 256)
+
+
 def test_attention_overlap_variant_lowers_on_sm90a():
     problem = ATTENTION.Problem(2, 1024, 1024, 32, 8, 128, True, "bfloat16")
-    config = {**ATTENTION.default_config(problem, H200), "overlap": 1}
+    config = {**ATTENTION.default_config(problem, H200), "overlap": 1, "persistent": 0}
     assert ATTENTION.check_config(problem, config, H200) is None
     src = lower(ATTENTION.build(problem, config, H200), H200).kernel_source
     assert "wgmma_ss" in src and "wgmma_rs" in src
@@ -89,7 +104,8 @@ def test_three_consumer_warpgroups_share_the_registers_at_head_dim_64(overlap):
 
 def test_attention_pingpong_hands_over_between_the_two_consumer_warpgroups():
     problem = ATTENTION.Problem(2, 1024, 1024, 32, 8, 128, False, "bfloat16")
-    config = {**ATTENTION.default_config(problem, H200), "pingpong": 1}
+    config = {**ATTENTION.default_config(problem, H200), "overlap": 0, "persistent": 0,
+              "pingpong": 1}
     assert ATTENTION.check_config(problem, config, H200) is None
     src = lower(ATTENTION.build(problem, config, H200), H200).kernel_source
     loop = src[src.index("warpgroup_reg_alloc"):]

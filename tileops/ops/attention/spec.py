@@ -103,9 +103,21 @@ class RepeatedKV(Once):
 
 
 def _cuda_default(problem: AttentionProblem, target: Target, space: Space) -> Config:
-    """Two K/V stages at head_dim 128 take 192 KiB: one stage below sm_90; at head_dim 256,
-    64-key blocks in one stage."""
-    if problem.head_dim <= 128:
+    """On sm_90 the warp-specialised schedule (`overlap` 2): 128 x 128 tiles in two stages at
+    head_dim 128, three consumer warpgroups of 64 queries at head_dim 64, persistent CTAs where
+    the queries are short (<= 2048) or causal. On an H100 (benchmarks/NOTES.md) it was
+    1.01-1.14x of cuDNN at S >= 2048 non-causal where the unspecialised schedule below was
+    0.87-0.93x, and persistent CTAs won at S <= 2048 and causal (as for `flash_attention_varlen`).
+
+    Elsewhere, and at head_dim 256: two K/V stages at head_dim 128 take 192 KiB, so one stage
+    below sm_90; at head_dim 256, 64-key blocks in one stage."""
+    D = problem.head_dim
+    if target.is_hopper and D <= 128:
+        wide = D <= 64  # 192 x 128: 128 accumulator registers of 160 (`_check_gpu`)
+        return {"block_M": 192 if wide else 128, "block_N": 128, "num_stages": 2,
+                "threads": 384 if wide else 256, "overlap": 2, "pingpong": 0,
+                "persistent": int(problem.causal or problem.seqlen_q <= 2048)}
+    if D <= 128:
         stages = 2 if smem_limit(target.arch) >= 192 * 1024 else 1
         return {"block_M": 128, "block_N": 128, "num_stages": stages, "threads": 256,
                 "overlap": 0, "pingpong": 0, "persistent": 0}
