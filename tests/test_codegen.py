@@ -108,14 +108,15 @@ def test_gemm_default_fills_the_waves_with_the_deepest_pipeline(M, N, K, block_N
         assert "shared memory" in GEMM.check_config(problem, dict(config, num_stages=deeper), H200)
 
 
-@pytest.mark.parametrize(("N", "K", "split_k"), [
-    (576, 7168, 8), (1536, 7168, 4), (3584, 3584, 2), (18944, 3584, 1),  # H100, M = 128
+@pytest.mark.parametrize(("M", "N", "K", "split_k"), [
+    (128, 576, 7168, 8), (128, 1536, 7168, 4), (128, 3584, 3584, 2),  # H100, M = 128
+    (128, 18944, 3584, 1), (512, 576, 7168, 2), (1024, 576, 7168, 1),
 ])
-def test_gemm_default_splits_k_where_the_tiles_leave_most_sms_idle(N, K, split_k):
-    problem = GEMM.Problem(128, N, K, "bfloat16", "nk", "bfloat16")
+def test_gemm_default_splits_k_where_the_tiles_leave_most_sms_idle(M, N, K, split_k):
+    problem = GEMM.Problem(M, N, K, "bfloat16", "nk", "bfloat16")
     config = GEMM.default_config(problem, H200)
     assert config["split_k"] == split_k and GEMM.check_config(problem, config, H200) is None
-    assert -(-N // config["block_N"]) * split_k <= 132  # one wave
+    assert -(-M // 128) * -(-N // config["block_N"]) * split_k <= 132  # one wave
     src = lower(GEMM.build(problem, config, H200), H200).kernel_source
     assert ("float* __restrict__ partials" in src) == (split_k > 1)
 
