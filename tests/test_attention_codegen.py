@@ -27,6 +27,8 @@ def test_attention_lowers_to_wgmma_on_sm90a():
 @pytest.mark.parametrize(("head_dim", "causal", "seqlen", "tile", "persistent"), [
     (128, False, 4096, (128, 256), 0), (128, False, 2048, (128, 256), 1),
     (128, True, 8192, (128, 256), 1), (64, False, 4096, (192, 384), 0),
+    (64, False, 1024, (192, 384), 1), (64, True, 4096, (192, 384), 0),
+    (64, True, 1024, (128, 256), 1),
 ])
 def test_attention_default_on_sm90a_is_warp_specialised(head_dim, causal, seqlen, tile,
                                                         persistent):

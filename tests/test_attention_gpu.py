@@ -33,6 +33,7 @@ def check(out, lse, ref, tol=1e-2):
         (1, 1000, 1000, 32, 8, 128, True),      # odd lengths
         (2, 333, 1337, 16, 4, 128, True),       # seqlen_q < seqlen_kv, bottom-right causal
         (1, 1337, 333, 16, 1, 64, True),        # seqlen_q > seqlen_kv (masked rows), MQA
+        (2, 1000, 1000, 32, 8, 64, True),       # head_dim 64 causal <= 1024: 128 rows, persistent
         (3, 1, 4097, 32, 8, 128, False),        # decode-like
         (1, 517, 517, 8, 8, 256, True),         # head_dim 256
     ],
