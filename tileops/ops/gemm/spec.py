@@ -99,7 +99,7 @@ def _wave_tile(problem: GemmProblem, target: Target, space: Space) -> Config:
               "num_stages": min(space["num_stages"]), "threads": 256, "swizzle": 8,
               "split_k": 1, "swap_ab": 0, **_PLAIN, "full_row": 1, "staged_store": 1}
     config["num_stages"] = max(s for s in space["num_stages"] if runs(num_stages=s))
-    if 2 * tiles(bn) < sms:
+    if _few_tiles(problem, 128, bn, target):
         config["split_k"] = max((s for s in space["split_k"]
                                  if tiles(bn) * s <= sms and runs(split_k=s)), default=1)
     return config
@@ -108,6 +108,11 @@ def _wave_tile(problem: GemmProblem, target: Target, space: Space) -> Config:
 def _tiles(problem: GemmProblem, block_M: int, block_N: int) -> int:
     """Output tiles of an unswapped grid."""
     return -(-problem.M // block_M) * -(-problem.N // block_N)
+
+
+def _few_tiles(problem: GemmProblem, block_M: int, block_N: int, target: Target) -> bool:
+    """Whether the output tiles fill under half the SMs: where K is split, at any M."""
+    return 2 * _tiles(problem, block_M, block_N) < (target.units or 132)
 
 
 def _check_gpu(problem: GemmProblem, config: Config, target: Target) -> str | None:
@@ -132,9 +137,8 @@ def _check_gpu(problem: GemmProblem, config: Config, target: Target) -> str | No
     if target.is_hopper and not config.get("swap_ab") and bm % (64 * (threads // 128)):
         return f"wgmma needs block_M a multiple of 64 per warpgroup ({threads // 128})"
     if target.kind == "cuda":  # the decode knobs (swap_ab, split_k) are CUDA's
-        few = 2 * _tiles(problem, bm, bn) < (target.units or 132)
         reason = check_decode_knobs(problem.M, problem.K, config, target.arch, min_block_M=64,
-                                    few_tiles=few)
+                                    few_tiles=_few_tiles(problem, bm, bn, target))
         if reason:
             return reason
     if bm * bk * esize < threads * 16 // 2:
