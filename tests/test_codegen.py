@@ -108,6 +108,18 @@ def test_gemm_default_fills_the_waves_with_the_deepest_pipeline(M, N, K, block_N
         assert "shared memory" in GEMM.check_config(problem, dict(config, num_stages=deeper), H200)
 
 
+@pytest.mark.parametrize(("M", "N", "K", "block_N"), [
+    (8192, 576, 7168, 192),   # 4097-8192 rows: 3 column tiles, one wave up to 5632 rows
+    (512, 18944, 3584, 224),  # 257-512 rows: 3 or 4 row tiles, 255 or 340 tiles of 128 x 224
+    (512, 3584, 3584, 128),   # one wave at 3 and 4 row tiles; 128 x 96 takes two at 4
+    (1024, 10240, 8192, 224),  # 224 and 256 tie over 513-1024 rows; 1024 rows decide (H100: 0.96
+                               # against 0.87 of cuBLAS)
+])
+def test_gemm_default_fills_the_waves_of_every_m_its_bucket_serves(M, N, K, block_N):
+    config = GEMM.default_config(GEMM.Problem(M, N, K, "bfloat16", "nk", "bfloat16"), H200)
+    assert config["block_N"] == block_N
+
+
 @pytest.mark.parametrize(("M", "N", "K", "split_k"), [
     (128, 576, 7168, 8), (128, 1536, 7168, 4), (128, 3584, 3584, 2),  # H100, M = 128
     (128, 18944, 3584, 1), (512, 576, 7168, 2), (1024, 576, 7168, 1),

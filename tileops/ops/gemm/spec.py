@@ -74,9 +74,13 @@ def _wave_tile(problem: GemmProblem, target: Target, space: Space) -> Config:
 
     Each CTA's rate is set by its L2 bytes in flight, so the stages fill shared memory and a
     tile's time goes as the bytes it loads a K step, 128 + block_N; block_N minimises that times
-    the waves its tile count takes (ties to the wider tile). Fewer tiles than half the SMs (N
-    small) split K, as many ways as keep the CTAs within one wave: more only add fp32 partials
-    to sum. Whole rows per warpgroup and the tile stored through shared memory.
+    the waves its tile count takes, summed over the M the bucket serves: at 5000 x 576 the
+    bucket's 8192 rows alone would pick 128 x 160 (256 tiles, two waves), where 5000 rows make
+    160 of them (two waves, the second a fifth full) and 120 of 128 x 192 (one). Widths within 2%
+    of the best sum are a tie, which the bucket's largest M breaks (then the wider tile): at
+    1024 x 10240 x 8192, 256 sums 1% under 224 and loses by 10% at 1024 rows. Fewer tiles than
+    half the SMs (N small) split K, as many ways as keep the CTAs within one wave: more only add
+    fp32 partials to sum. Whole rows per warpgroup and the tile stored through shared memory.
 
     On an H100 (benchmarks/NOTES.md) the rule picked the grids' best block_N on all ten weights
     measured at M = 256-4096, and took the Llama-3 weights at M = 256 from 0.32-0.80x of cuBLAS
@@ -88,13 +92,19 @@ def _wave_tile(problem: GemmProblem, target: Target, space: Space) -> Config:
     def tiles(bn: int) -> int:
         return _tiles(problem, 128, bn)
 
-    def cost(bn: int) -> tuple[int, int]:
-        return -(-tiles(bn) // sms) * (128 + bn), -bn
+    def cost(bn: int, rows: list[tuple[int, int]]) -> int:
+        cols = -(-problem.N // bn)
+        return sum(n * -(-r * cols // sms) for r, n in rows) * (128 + bn)
+
+    widths = [bn for bn in space["block_N"] if bn >= 64]
+    over_bucket = {bn: cost(bn, _row_counts(problem.M)) for bn in widths}
+    best = min(over_bucket.values())
+    near = [bn for bn in widths if over_bucket[bn] <= best * _TIE]
+    bn = min(near, key=lambda bn: (cost(bn, [(-(-problem.M // 128), 1)]), -bn))
 
     def runs(**knobs: int) -> bool:
         return _check_gpu(problem, dict(config, **knobs), target) is None
 
-    bn = min((bn for bn in space["block_N"] if bn >= 64), key=cost)
     config = {"block_M": 128, "block_N": bn, "block_K": 64,
               "num_stages": min(space["num_stages"]), "threads": 256, "swizzle": 8,
               "split_k": 1, "swap_ab": 0, **_PLAIN, "full_row": 1, "staged_store": 1}
@@ -103,6 +113,18 @@ def _wave_tile(problem: GemmProblem, target: Target, space: Space) -> Config:
         config["split_k"] = max((s for s in space["split_k"]
                                  if tiles(bn) * s <= sms and runs(split_k=s)), default=1)
     return config
+
+
+# Sums of the waves rule's cost within this factor of each other are a tie (NOTES.md).
+_TIE = 1.02
+
+
+def _row_counts(bucket: int, block_M: int = 128) -> list[tuple[int, int]]:
+    """(row tiles, how many M of the bucket make that many) over the bucket's M, (bucket/2,
+    bucket]: its configuration serves every one of them."""
+    lo, hi = bucket // 2 + 1, bucket
+    return [(r, min(hi, r * block_M) - max(lo, (r - 1) * block_M + 1) + 1)
+            for r in range(-(-lo // block_M), -(-hi // block_M) + 1)]
 
 
 def _tiles(problem: GemmProblem, block_M: int, block_N: int) -> int:
