@@ -24,18 +24,19 @@ def test_attention_lowers_to_wgmma_on_sm90a():
     assert "seqlen_q" in src and "seqlen_kv" in src  # dynamic lengths
 
 
-@pytest.mark.parametrize(("head_dim", "causal", "seqlen", "tile", "persistent"), [
-    (128, False, 4096, (128, 256), 0), (128, False, 2048, (128, 256), 1),
-    (128, True, 8192, (128, 256), 1), (64, False, 4096, (192, 384), 0),
-    (64, False, 1024, (192, 384), 1), (64, True, 4096, (192, 384), 0),
-    (64, True, 1024, (128, 256), 1),
+@pytest.mark.parametrize(("head_dim", "causal", "seqlen", "tile", "persistent", "stages"), [
+    (128, False, 4096, (128, 256), 0, 2), (128, False, 2048, (128, 256), 1, 2),
+    (128, True, 8192, (128, 256), 1, 2), (64, False, 4096, (192, 384), 0, 1),
+    (64, False, 2048, (192, 384), 0, 1), (64, False, 1024, (128, 256), 1, 2),
+    (64, True, 4096, (192, 384), 0, 1), (64, True, 1024, (128, 256), 1, 2),
 ])
 def test_attention_default_on_sm90a_is_warp_specialised(head_dim, causal, seqlen, tile,
-                                                        persistent):
+                                                        persistent, stages):
     problem = ATTENTION.Problem(2, seqlen, seqlen, 32, 8, head_dim, causal, "bfloat16")
     config = ATTENTION.default_config(problem, H200)
     assert (config["block_M"], config["threads"]) == tile
-    assert (config["overlap"], config["persistent"], config["num_stages"]) == (2, persistent, 2)
+    assert (config["overlap"], config["persistent"], config["num_stages"]) == (2, persistent,
+                                                                               stages)
     assert ATTENTION.check_config(problem, config, H200) is None
     a100 = ATTENTION.default_config(problem, A100)  # no TMA producer below sm_90
     assert (a100["overlap"], a100["persistent"], a100["threads"]) == (0, 0, 256)
