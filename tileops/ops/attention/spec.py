@@ -107,15 +107,15 @@ def _cuda_default(problem: AttentionProblem, target: Target, space: Space) -> Co
     128 query rows in two K/V stages, persistent CTAs where the queries are short (<= 2048) or
     causal; at head_dim 64 up to 1024 queries the same tile persistent, above three consumer
     warpgroups of 64 rows in one stage, not persistent. On an H100 the attention suite went from
-    0.84x to 0.96x of cuDNN on geometric mean with it (benchmarks/NOTES.md).
+    0.84x to 0.98x of cuDNN on geometric mean with it (benchmarks/NOTES.md).
 
     Elsewhere, and at head_dim 256: two K/V stages at head_dim 128 take 192 KiB, so one stage
     below sm_90; at head_dim 256, 64-key blocks in one stage."""
     D, causal, short = problem.head_dim, problem.causal, problem.seqlen_q <= 2048
     if target.is_hopper and D <= 128:
         # 192 x 128 at head_dim 64: 128 accumulator registers of 160 (`_check_gpu`); a second
-        # stage and persistent CTAs lost 1-10% with it (H100 grids), and up to 1024 queries the
-        # 128-row tile's persistent CTAs win
+        # stage or persistent CTAs lost up to 10% with it and won at most 2% in the H100 grids
+        # above 1024 queries, and up to 1024 the 128-row tile's persistent CTAs win
         wide = D <= 64 and problem.seqlen_q > 1024
         persistent = not wide and (causal or short)
         return {"block_M": 192 if wide else 128, "block_N": 128, "num_stages": 1 if wide else 2,

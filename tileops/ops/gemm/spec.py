@@ -97,7 +97,8 @@ def _wave_tile(problem: GemmProblem, target: Target, space: Space) -> Config:
         return sum(n * -(-r * cols // sms) for r, n in rows) * (128 + bn)
 
     widths = [bn for bn in space["block_N"] if bn >= 64]
-    over_bucket = {bn: cost(bn, _row_counts(problem.M)) for bn in widths}
+    rows = _row_counts(problem.M)
+    over_bucket = {bn: cost(bn, rows) for bn in widths}
     best = min(over_bucket.values())
     near = [bn for bn in widths if over_bucket[bn] <= best * _TIE]
     bn = min(near, key=lambda bn: (cost(bn, [(-(-problem.M // 128), 1)]), -bn))
