@@ -124,7 +124,7 @@ def _t(*shape, dtype=torch.float32, device="cpu"):
         ((_t(1, 4, 2, 96),) * 3, ValueError, "head_dim 96"),
         ((_t(1, 4, 2, 64), _t(1, 5, 2, 64), _t(1, 6, 2, 64)), ValueError, "k and v shapes"),
         ((_t(1, 4, 2, 64), _t(2, 4, 2, 64), _t(2, 4, 2, 64)), ValueError, "batch sizes"),
-        ((_t(1, 0, 2, 64),) * 3, ValueError, "empty"),
+        ((_t(1, 4, 2, 64), _t(1, 4, 0, 64), _t(1, 4, 0, 64)), ValueError, "heads_kv"),
         ((_t(1, 4, 2, 64), _t(1, 4, 2, 64, device="meta"), _t(1, 4, 2, 64)), ValueError,
          "different devices"),
         ((_t(1, 4, 2, 128)[..., ::2],) * 3, ValueError, "contiguous"),
@@ -134,6 +134,25 @@ def _t(*shape, dtype=torch.float32, device="cpu"):
 def test_bad_input_is_refused_clearly(args, exc, match):
     with pytest.raises(exc, match=match):
         tileops.flash_attention(*args)
+
+
+@pytest.mark.parametrize(("q", "kv"), [
+    ((0, 16, 2, 64), (0, 16, 2, 64)),   # no sequence
+    ((1, 0, 2, 64), (1, 16, 2, 64)),    # no query
+    ((1, 8, 2, 64), (1, 0, 2, 64)),     # no key: every query sees none
+    ((1, 8, 0, 64), (1, 8, 2, 64)),     # no query head
+])
+@pytest.mark.parametrize("causal", [False, True])
+def test_empty_sizes_give_the_result_of_nothing_to_attend(q, kv, causal):
+    """As torch allows empty tensors: empty outputs, and queries that see no key get what such a
+    query gets in a full call (zeros, a log-sum-exp of -inf); gradients are zeros."""
+    q, k, v = (_t(*shape).requires_grad_() for shape in (q, kv, kv))
+    out, lse = tileops.flash_attention(q, k, v, causal=causal, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    assert not out.any() and bool((lse == -math.inf).all())
+    out.sum().backward()
+    for t in (q, k, v):
+        assert t.grad.shape == t.shape and not t.grad.any()
 
 
 def test_metal_is_refused():

@@ -164,10 +164,19 @@ W, S = _packed()
         ((A, W[None], S), ValueError, "w_fp4 must be 2-D"),
         ((A, W, S.to("meta")), ValueError, "meta"),
         ((A.to("meta"), W, S), ValueError, "a is on meta"),
-        ((A[:0], W, S), ValueError, "empty"),
+        ((A[:, :0], W[:, :0], S[:, :0]), ValueError, "the weight is empty"),
         (([[1.0]], W, S), TypeError, "a must be a tensor"),
     ],
 )
 def test_bad_input_is_refused_clearly(args, exc, match):
     with pytest.raises(exc, match=match):
         tileops.mxfp4_gemm(*args)
+
+
+def test_no_rows_give_an_empty_result():
+    """M = 0 (an MoE expert no token was routed to) is torch's empty product, on the OCP tensors
+    and on the prepacked weight."""
+    w, s = _packed(16, 64)  # the prepacked layout's 16 x 64 atoms
+    for weight in ((w, s), (tileops.prepack_mxfp4(w, s),)):
+        out = tileops.mxfp4_gemm(A[:0], *weight)
+        assert out.shape == (0, 16) and out.dtype == A.dtype

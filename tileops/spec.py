@@ -80,11 +80,20 @@ def refuse_grad(who: str, **tensors: torch.Tensor) -> None:
 
 
 class Call(NamedTuple):
-    """A validated call: where it runs, its problem key and the arguments the kernel launch takes."""
+    """A validated call: where it runs, its problem key and the arguments the kernel launch
+    takes; or, its problem None, a call with nothing to compute (an empty operand, as torch
+    allows) and its `result`, made without a kernel (`empty_call`)."""
 
     device: torch.device
-    problem: tuple
+    problem: tuple | None
     args: tuple
+    result: Any = None
+
+
+def empty_call(device: torch.device, result: Any) -> Call:
+    """The call of an operator on an empty operand: `result` is what torch's own operation
+    returns there (empty tensors, or zeros where the reduction is over nothing)."""
+    return Call(device, None, (), result)
 
 
 Space = dict[str, list[Any]]

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ...spec import Backend, Call, Config, check_scale
+from ...spec import Backend, Call, Config, check_scale, empty_call
 from ...target import Target
 from ..host import DTYPE_NAMES, DTYPE_SIZES, BitsAdapter, Once, dtype_name, smem_limit
 from . import backward_kernels
@@ -133,6 +133,9 @@ class AttentionBackwardSpec(AttentionSpec):
                 softmax_scale: float | None = None, grad_lse: torch.Tensor | None = None
                 ) -> Call:
         self._check(q, k, v, out, grad_out, lse, grad_lse)
+        if not (q.numel() and k.numel()):  # no query or no key: no gradient flows
+            return empty_call(q.device, (q.new_zeros(q.shape), k.new_zeros(k.shape),
+                                         v.new_zeros(v.shape)))
         B, Sq, Hq, D = q.shape
         if q.is_cuda and D not in CUDA_HEAD_DIMS:
             raise NotImplementedError(f"{_WHO}: head_dim {D} has no CUDA kernel yet (allowed: "
@@ -153,7 +156,7 @@ class AttentionBackwardSpec(AttentionSpec):
     def _check(self, q: Any, k: Any, v: Any, out: Any, grad_out: Any, lse: Any,
                grad_lse: Any) -> None:
         """Refuse what the kernels cannot take with the error that says why. The forward's
-        rules hold for q, k and v (`AttentionSpec._refuse`); out and grad_out must be like q, lse
+        rules hold for q, k and v (`AttentionSpec._validate`); out and grad_out must be like q, lse
         and grad_lse (batch, heads_q, seqlen_q)."""
         tensors = {"q": q, "k": k, "v": v, "out": out, "grad_out": grad_out, "lse": lse}
         if grad_lse is not None:
@@ -164,13 +167,13 @@ class AttentionBackwardSpec(AttentionSpec):
         try:
             (B, Sq, Hq, D), (Bk, Skv, Hkv, Dk) = q.shape, k.shape
             ok = (k.shape == v.shape and Bk == B and Dk == D and D in HEAD_DIMS and B and Sq
-                  and Skv and Hkv and Hq % Hkv == 0 and q.dtype is k.dtype is v.dtype
+                  and Skv and Hq and Hkv and Hq % Hkv == 0 and q.dtype is k.dtype is v.dtype
                   and (q.dtype, q.is_cuda) in _ACCEPTED and q.device == k.device == v.device)
         except ValueError:
             ok = False
         if not ok:
             with torch.no_grad():
-                super()._refuse(q, k, v)
+                super()._validate(q, k, v)
         for name in ("out", "grad_out"):
             t = tensors[name]
             if t.shape != q.shape or t.device != q.device:

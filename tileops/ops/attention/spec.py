@@ -32,12 +32,23 @@ return.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, NamedTuple
 
 import torch
 
-from ...spec import Backend, Call, Config, OpSpec, Space, check_scale, pow2_bucket, refuse_grad
+from ...spec import (
+    Backend,
+    Call,
+    Config,
+    OpSpec,
+    Space,
+    check_scale,
+    empty_call,
+    pow2_bucket,
+    refuse_grad,
+)
 from ...target import Target
 from ..host import (
     DTYPE_NAMES,
@@ -186,6 +197,13 @@ BACKENDS = {"cpu": Backend(kernels.cpu_program, BitsAdapter),
             "hip": Backend(kernels.gpu_program, check=_check_gpu)}
 
 
+def _empty_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of a call with no query or no key: empty, or where queries see no key, as
+    every such query's row, zeros and a log-sum-exp of -inf."""
+    B, Sq, Hq, _ = q.shape
+    return q.new_zeros(q.shape), q.new_full((B, Hq, Sq), -math.inf, dtype=torch.float32)
+
+
 class AttentionSpec(OpSpec):
     name = "attention"
     aliases = ("flash_attention",)
@@ -217,7 +235,7 @@ class AttentionSpec(OpSpec):
             (B, Sq, Hq, D), (Bk, Skv, Hkv, Dk) = q.shape, k.shape
             dtype = q.dtype
             ok = (k.shape == v.shape and Bk == B and Dk == D and D in HEAD_DIMS and B and Sq
-                  and Skv and Hkv and Hq % Hkv == 0 and dtype is k.dtype and dtype is v.dtype
+                  and Skv and Hq and Hkv and Hq % Hkv == 0 and dtype is k.dtype and dtype is v.dtype
                   and (dtype, q.is_cuda) in _ACCEPTED and q.device == k.device == v.device
                   and q.stride(3) == 1 and k.stride(3) == 1 and v.stride(3) == 1
                   and not ((q.requires_grad or k.requires_grad or v.requires_grad)
@@ -225,7 +243,8 @@ class AttentionSpec(OpSpec):
         except (AttributeError, TypeError, ValueError):
             ok = False
         if not ok:
-            self._refuse(q, k, v)
+            self._validate(q, k, v)
+            return empty_call(q.device, _empty_result(q))
         # The kernels index (b, s, h, d) densely: copy other layouts.
         q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))
         if softmax_scale is not None and softmax_scale != D ** -0.5:
@@ -235,8 +254,9 @@ class AttentionSpec(OpSpec):
                                    DTYPE_NAMES[dtype])
         return Call(q.device, problem, (q, k, v, bool(causal), RepeatedKV()))
 
-    def _refuse(self, q: Any, k: Any, v: Any) -> None:
-        """Raise the clear error for a call that `prepare`'s fast checks rejected."""
+    def _validate(self, q: Any, k: Any, v: Any) -> None:
+        """Raise the clear error for a call that `prepare`'s fast checks rejected; return only
+        where the call is valid but a size is 0: no query or no key (`_empty_result`)."""
         if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
             raise TypeError("flash_attention expects tensors q, k, v; got "
                             f"{', '.join(type(t).__name__ for t in (q, k, v))}")
@@ -268,12 +288,12 @@ class AttentionSpec(OpSpec):
         if D not in HEAD_DIMS:
             raise ValueError(f"flash_attention: head_dim {D} is not supported (allowed: "
                              f"{', '.join(map(str, HEAD_DIMS))})")
-        if min(B, Sq, Skv, Hq, Hkv) == 0:
-            raise ValueError(f"flash_attention: empty input ({shapes}); all sizes must be >= 1")
-        if Hq % Hkv:
+        if Hkv == 0 or Hq % Hkv:
             raise ValueError(f"flash_attention: heads_q ({Hq}) must be a multiple of heads_kv "
-                             f"({Hkv})")
+                             f"({Hkv}), which must be >= 1")
         refuse_grad("flash_attention", q=q, k=k, v=v)
+        if min(B, Sq, Skv, Hq) == 0:
+            return
         raise ValueError("flash_attention: the last dimension (head_dim) of q, k and v must be "
                          "contiguous (stride 1); strides are "
                          f"{q.stride()}, {k.stride()}, {v.stride()}")

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ...native import INPUT, INPUT_SWAPPED, OUTPUT, SCRATCH, Buffer, Recipe
-from ...spec import Backend, Call, Config, OpSpec, Space, refuse_grad
+from ...spec import Backend, Call, Config, OpSpec, Space, empty_call, refuse_grad
 from ...target import Target
 from ..host import DTYPE_NAMES as _NAMES
 from ..host import DTYPE_SIZES as _SIZES
@@ -221,7 +221,7 @@ class GemmSpec(OpSpec):
     def prepare(self, a: torch.Tensor, b: torch.Tensor,
                 out_dtype: torch.dtype | None = None) -> Call:
         # The warm path of every call: as few tensor attribute reads as possible. Anything off
-        # goes to `_refuse`, which finds the precise error.
+        # goes to `_validate`, which finds the precise error (or an empty operand).
         try:
             (M, K), (K2, N) = a.shape, b.shape
             dtype = a.dtype
@@ -232,7 +232,9 @@ class GemmSpec(OpSpec):
         except (AttributeError, TypeError, ValueError):
             ok = False
         if not ok:
-            self._refuse(a, b, out_dtype)
+            self._validate(a, b, out_dtype)
+            # Valid, with an empty size: as torch.matmul, an empty product, or zeros over K = 0.
+            return empty_call(a.device, a.new_zeros((M, N), dtype=out_dtype or dtype))
         if not a.is_contiguous():
             a = a.contiguous()
         sb0, sb1 = b.stride()
@@ -248,8 +250,9 @@ class GemmSpec(OpSpec):
                               _NAMES[out_dtype])
         return Call(a.device, problem, (a, b, layout == "nk", out_dtype))
 
-    def _refuse(self, a: Any, b: Any, out_dtype: Any) -> None:
-        """Raise the clear error for a call that `prepare`'s fast checks rejected."""
+    def _validate(self, a: Any, b: Any, out_dtype: Any) -> None:
+        """Raise the clear error for a call that `prepare`'s fast checks rejected; return only
+        where the call is valid but a size is 0 (nothing to compute)."""
         if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
             raise TypeError(f"gemm expects two tensors, got {type(a).__name__} and "
                             f"{type(b).__name__}")
@@ -268,14 +271,15 @@ class GemmSpec(OpSpec):
         (M, K), (K2, N) = a.shape, b.shape
         if K != K2:
             raise ValueError(f"gemm: inner dimensions differ: a is {M}x{K}, b is {K2}x{N}")
-        if M == 0 or N == 0 or K == 0:
-            raise ValueError(f"gemm: empty operand (M={M}, N={N}, K={K}); all sizes must be >= 1")
         refuse_grad("gemm", a=a, b=b)
         allowed = ", ".join(f"torch.{name}" for name in DTYPES)
-        if not isinstance(out_dtype, torch.dtype):
+        if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
             raise TypeError(f"gemm: out_dtype must be a torch.dtype ({allowed}) or None; got "
                             f"{type(out_dtype).__name__} {out_dtype!r}")
-        raise TypeError(f"gemm: out_dtype {out_dtype} is not supported (allowed: {allowed})")
+        if out_dtype is not None and out_dtype not in _NAMES:
+            raise TypeError(f"gemm: out_dtype {out_dtype} is not supported (allowed: {allowed})")
+        if min(M, N, K) > 0:  # every fast check holds: prepare and this one disagree
+            raise AssertionError(f"gemm: call refused for no reason found ({M}x{K} @ {K}x{N})")
 
     def parse_exact(self, text: str, dtype: str) -> GemmProblem:
         match = re.fullmatch(r"\s*(\d+)x(\d+)x(\d+)(?::(kn|nk))?\s*", text)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ...spec import Backend, Call, Config, Space, refuse_grad
+from ...spec import Backend, Call, Config, Space, empty_call, refuse_grad
 from ...target import Target
 from ..host import (
     BitsAdapter,
@@ -129,13 +129,15 @@ class Mxfp4PackedSpec(Mxfp4GemmSpec):
         except (AttributeError, TypeError, ValueError):
             ok = False
         if not ok:
-            self._refuse_packed(a, packed)
+            self._validate_packed(a, packed)
+            return empty_call(a.device, a.new_empty((0, packed.N)))  # M = 0, as torch
         if not a.is_contiguous():
             a = a.contiguous()
         problem = Mxfp4Problem(1 << (M - 1).bit_length(), packed.N, K, "bfloat16")
         return Call(a.device, problem, (a, PackedArgs(packed)))
 
-    def _refuse_packed(self, a: Any, packed: Any) -> None:
+    def _validate_packed(self, a: Any, packed: Any) -> None:
+        """`_validate` for a prepacked weight: the clear error, or return where a has no row."""
         if not isinstance(packed, PrepackedMxfp4):
             raise TypeError("mxfp4_gemm(a, packed): packed must come from tileops.prepack_mxfp4, "
                             f"got {type(packed).__name__}")
@@ -152,12 +154,12 @@ class Mxfp4PackedSpec(Mxfp4GemmSpec):
         if a.shape[1] != packed.K:
             raise ValueError(f"mxfp4_gemm: a is {tuple(a.shape)} but the weight holds K = "
                              f"{packed.K}")
-        if a.shape[0] == 0:
-            raise ValueError("mxfp4_gemm: empty a (M = 0); sizes must be >= 1")
         if a.device != packed.device:
             raise ValueError(f"mxfp4_gemm: a is on {a.device} but the weight is on "
                              f"{packed.device}")
         refuse_grad("mxfp4_gemm", a=a)
+        if a.shape[0] == 0:
+            return
         raise ValueError(f"mxfp4_gemm: unsupported inputs a {tuple(a.shape)} on {a.device}")
 
     def parse_exact(self, text: str, dtype: str) -> Mxfp4Problem:

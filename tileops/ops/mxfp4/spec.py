@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ...native import INPUT, INPUT_WORDS, OUTPUT, SCRATCH, Buffer, Recipe
-from ...spec import Backend, Call, Config, OpSpec, Space, refuse_grad
+from ...spec import Backend, Call, Config, OpSpec, Space, empty_call, refuse_grad
 from ...target import Target
 from ..host import (
     DTYPE_SIZES,
@@ -173,7 +173,8 @@ class Mxfp4GemmSpec(OpSpec):
         return False
 
     def prepare(self, a: torch.Tensor, w_fp4: torch.Tensor, w_scale: torch.Tensor) -> Call:
-        # Warm path: few attribute reads; anything off goes to `_refuse` for the precise error.
+        # Warm path: few attribute reads; anything off goes to `_validate` for the precise error
+        # (or an empty a).
         try:
             (M, K), (N, K2), (N2, KS) = a.shape, w_fp4.shape, w_scale.shape
             ok = (a.dtype in _ACCEPTED and w_fp4.dtype is torch.uint8
@@ -184,7 +185,8 @@ class Mxfp4GemmSpec(OpSpec):
         except (AttributeError, TypeError, ValueError):
             ok = False
         if not ok:
-            self._refuse(a, w_fp4, w_scale)
+            self._validate(a, w_fp4, w_scale)
+            return empty_call(a.device, a.new_empty((0, w_fp4.shape[0])))  # M = 0, as torch
         if not a.is_contiguous():
             a = a.contiguous()
         if not (w_fp4.is_contiguous() and w_scale.is_contiguous()):
@@ -196,8 +198,10 @@ class Mxfp4GemmSpec(OpSpec):
         problem = Mxfp4Problem(1 << (M - 1).bit_length(), N, K, dtype_name(a.dtype))
         return Call(a.device, problem, (a, PackedWeight(w_fp4, w_scale)))
 
-    def _refuse(self, a: Any, w_fp4: Any, w_scale: Any) -> None:
-        """Raise the clear error for a call that `prepare`'s fast checks rejected."""
+    def _validate(self, a: Any, w_fp4: Any, w_scale: Any) -> None:
+        """Raise the clear error for a call that `prepare`'s fast checks rejected; return only
+        where the call is valid but a holds no row (M = 0: an MoE expert no token was routed
+        to)."""
         if not isinstance(a, torch.Tensor):
             raise TypeError(f"mxfp4_gemm: a must be a tensor, got {type(a).__name__}")
         N, k_weight = check_packed(w_fp4, w_scale, "mxfp4_gemm")
@@ -213,10 +217,12 @@ class Mxfp4GemmSpec(OpSpec):
         if k_weight != K:
             raise ValueError(f"mxfp4_gemm: a is {M}x{K} but the packed weight {tuple(w_fp4.shape)} "
                              f"holds K = {k_weight} (2 elements per byte)")
-        if min(M, N, K) == 0:
-            raise ValueError(f"mxfp4_gemm: empty operand (M={M}, N={N}, K={K}); sizes must be "
-                             ">= 1")
+        if min(N, K) == 0:
+            raise ValueError(f"mxfp4_gemm: the weight is empty (N={N}, K={K}); its sizes must "
+                             "be >= 1")
         refuse_grad("mxfp4_gemm", a=a)
+        if M == 0:
+            return
         raise ValueError(f"mxfp4_gemm: unsupported inputs a {tuple(a.shape)} on {a.device}")
 
     def parse_exact(self, text: str, dtype: str) -> Mxfp4Problem:
