@@ -11,7 +11,7 @@ import torch
 from helpers import make_record, rel_error, write_db
 
 import tileops
-from tileops.db import DatabaseError, TuningDatabaseWarning, TuningDB
+from tileops.db import DatabaseError, Resolver, TuningDatabaseWarning, TuningDB, shipped_dbs
 from tileops.db.models import SCHEMA_VERSION
 from tileops.dispatch import DISPATCHER
 from tileops.ops.attention import ATTENTION
@@ -203,6 +203,16 @@ def test_corrupt_database_warns_once_and_falls_through(tmp_path, use_dbs):
         warnings.simplefilter("always")
         choice(P._replace(M=2))
     assert not [w for w in caught if issubclass(w.category, TuningDatabaseWarning)]
+
+
+def test_shipped_databases_can_be_left_out(monkeypatch):
+    """TILEOPS_SHIPPED_DB=0 leaves out the package's databases (a user without them)."""
+    assert shipped_dbs()  # tuning_db/h200.sqlite
+    for off in ("0", "off"):
+        monkeypatch.setenv("TILEOPS_SHIPPED_DB", off)
+        assert shipped_dbs() == [] and Resolver().layers()[1:] == []
+    monkeypatch.setenv("TILEOPS_SHIPPED_DB", "1")
+    assert shipped_dbs()
 
 
 def test_missing_shipped_database(tmp_path, use_dbs):

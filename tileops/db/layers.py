@@ -5,7 +5,8 @@ Order, in the spirit of MIOpen's system + user perf-db:
 1. `TILEOPS_CONFIG`: a JSON configuration forced on every problem (for debugging); either a config
    object or `{"<op>": {...}}` per operator.
 2. the user database (`TILEOPS_USER_DB`, default `~/.cache/tileops/tuning.sqlite`);
-3. the databases shipped in `tuning_db/` (opened read-only), in name order;
+3. the databases shipped in `tuning_db/` (opened read-only), in name order, unless
+   `TILEOPS_SHIPPED_DB` is 0;
 4. the operator's default (`OpSpec.default_config`).
 
 Within the databases an exact problem match in any layer wins over the nearest tuned problem of
@@ -59,6 +60,10 @@ def default_user_db() -> Path:
 
 
 def shipped_dbs() -> list[Path]:
+    """The databases shipped in `tuning_db/`, in name order; none where `TILEOPS_SHIPPED_DB` is 0
+    (what a user without them gets: how the benchmarks measure the defaults)."""
+    if os.environ.get("TILEOPS_SHIPPED_DB", "").strip().lower() in ("0", "false", "no", "off"):
+        return []
     try:
         return sorted(data_dir("tuning_db").glob("*.sqlite"))
     except FileNotFoundError:
