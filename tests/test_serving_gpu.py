@@ -127,6 +127,32 @@ def test_mla_decode_strict_mode_is_refused_inside_capture():
         tileops.mla_decode(*inputs, metadata=md, validate=True)
 
 
+def test_empty_operands_eagerly_and_inside_capture():
+    """A step in which an MoE expert gets no token, or a query sees no key: torch's result with
+    no kernel of ours, eagerly and inside a captured graph (where it is made at capture)."""
+    x = torch.randn(0, 512, device=CUDA, dtype=torch.bfloat16)
+    w = torch.randn(256, 512, device=CUDA, dtype=torch.bfloat16)
+    w_fp4, w_scale = tileops.quantize_mxfp4(w.float())
+    packed = tileops.prepack_mxfp4(w_fp4, w_scale)
+    q = torch.randn(2, 8, 4, 128, device=CUDA, dtype=torch.bfloat16)
+    kv = q[:, :0]
+    calls = [lambda: tileops.gemm(x, w.t()), lambda: tileops.gemm(w[:, :0], w[:16, :0].t()),
+             lambda: tileops.mxfp4_gemm(x, w_fp4, w_scale), lambda: tileops.mxfp4_gemm(x, packed),
+             lambda: tileops.flash_attention(q, kv, kv, return_lse=True)[1]]
+    shapes = [(0, 256), (256, 16), (0, 256), (0, 256), (2, 4, 8)]
+    for out, shape in zip([call() for call in calls], shapes, strict=True):
+        assert out.shape == shape and out.device.type == "cuda"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [call() for call in calls]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert [tuple(o.shape) for o in outs] == shapes
+    assert bool((outs[-1] == -torch.inf).all())  # no key: the log-sum-exp of nothing
+    out, lse = tileops.flash_attention(q, kv, kv, return_lse=True)
+    assert not out.any() and bool((lse == -torch.inf).all())
+
+
 def test_launches_go_on_the_current_stream():
     # The inputs are written on a side stream right before the call there; a launch on another
     # stream would read them half-written.
